@@ -1,0 +1,40 @@
+"""Draws the book's logo and favicon (a 4 x 2 device mesh, one block highlighted) with matplotlib.
+
+Run from the repository root: python book/make_logo.py
+"""
+
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+
+STATIC = Path(__file__).parent / "_static"
+
+
+def draw(size_inches: float, dpi: int, path: Path, title: bool) -> None:
+    """Draw the mesh of coloured device squares, optionally with the book's title beside it."""
+    width = size_inches * (3.2 if title else 1.0)
+    fig = plt.figure(figsize=(width, size_inches), dpi=dpi)
+    ax = fig.add_axes((0, 0, size_inches / width, 1))
+    colours = plt.get_cmap("tab10").colors
+    for row in range(4):
+        for col in range(2):
+            ax.add_patch(
+                plt.Rectangle((col * 1.1, (3 - row) * 1.1), 1, 1, color=colours[row * 2 + col])
+            )
+    ax.set_xlim(-0.6, 2.8)
+    ax.set_ylim(-0.15, 4.35)
+    ax.set_axis_off()
+    if title:
+        fig.text(0.34, 0.58, "Scaling", fontsize=30, weight="bold", color="#222222", va="center")
+        fig.text(0.34, 0.30, "Flax NNX", fontsize=30, weight="bold", color="#1f77b4", va="center")
+    fig.savefig(path, transparent=True)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    STATIC.mkdir(exist_ok=True)
+    draw(1.6, 100, STATIC / "logo.png", title=True)
+    draw(0.32, 100, STATIC / "favicon.png", title=False)

@@ -1,0 +1,65 @@
+"""Emulated devices: ask for N CPU devices before JAX's backend starts."""
+
+from __future__ import annotations
+
+import os
+
+DEVICES_ENV = "NNXSCALE_DEVICES"
+DEFAULT_DEVICES = 8
+NATIVE = "native"
+
+
+class EmulationTooLateError(RuntimeError):
+    """JAX's backend started before the devices could be emulated."""
+
+
+def requested_devices(value: int | str | None = None) -> int | None:
+    """Emulated device count asked for: argument, else $NNXSCALE_DEVICES, else 8; None if native."""
+    raw = os.environ.get(DEVICES_ENV, str(DEFAULT_DEVICES)) if value is None else value
+    if isinstance(raw, str) and raw.strip().lower() == NATIVE:
+        return None
+    try:
+        count = int(raw)
+    except ValueError:
+        count = 0
+    if count < 1:
+        raise ValueError(
+            f"{DEVICES_ENV}={raw!r} is not a device count: use a positive integer such as 8 "
+            f"(emulated CPU devices) or {NATIVE!r} (the accelerators JAX finds, no emulation)."
+        )
+    return count
+
+
+def _backend_started() -> bool:
+    """Whether JAX has created its backends (after which the device count is fixed)."""
+    from jax._src import xla_bridge
+
+    return xla_bridge.backends_are_initialized()
+
+
+def emulate_devices(count: int | str | None = None) -> int | None:
+    """Make JAX see `count` CPU devices (default $NNXSCALE_DEVICES or 8); call before any JAX work.
+
+    Forces the CPU platform, so that a Colab GPU runtime also gets the emulated devices.
+    With `native` it changes nothing and JAX uses the accelerators it finds. Calling it again
+    with the same count is harmless; asking for another count after JAX started raises
+    EmulationTooLateError, which says to restart the runtime.
+    """
+    wanted = requested_devices(count)
+    if wanted is None:
+        return None
+    import jax
+
+    if _backend_started():
+        have = jax.devices()
+        if len(have) == wanted and have[0].platform == "cpu":
+            return wanted
+        raise EmulationTooLateError(
+            f"JAX already started with {len(have)} {have[0].platform} device(s), so {wanted} "
+            "emulated CPU devices can no longer be created: the device count is fixed when JAX "
+            "first touches a device. Restart the runtime (Colab: Runtime > Restart session; "
+            "Jupyter: Kernel > Restart) and run the setup cell before anything else."
+        )
+    jax.config.update("jax_platforms", "cpu")
+    jax.config.update("jax_num_cpu_devices", wanted)
+    return wanted

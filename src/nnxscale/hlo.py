@@ -1,0 +1,217 @@
+"""Collectives counted in compiled HLO text: kinds, executions per call and bytes sent."""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from nnxscale.comm import KINDS, ring_bytes
+
+DTYPE_BITS = {
+    "pred": 8, "s2": 2, "u2": 2, "s4": 4, "u4": 4, "s8": 8, "u8": 8, "s16": 16, "u16": 16,
+    "s32": 32, "u32": 32, "s64": 64, "u64": 64, "f16": 16, "bf16": 16, "f32": 32, "f64": 64,
+    "c64": 64, "c128": 128, "token": 0,
+}  # fmt: skip
+_ARRAY = re.compile(r"\b([a-z]+[0-9a-z]*)\[([^\]]*)\]")
+_HEADER = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$")
+_CALLEES = re.compile(
+    r"\b(body|condition|calls|to_apply|true_computation|false_computation)=%?([\w.\-]+)"
+)
+_BRANCHES = re.compile(r"\bbranch_computations=\{([^}]*)\}")
+_TRIP_COUNT = re.compile(r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"(\d+)"')
+_IOTA_GROUPS = re.compile(r"replica_groups=\[([\d,]+)\]<=")
+_LIST_GROUPS = re.compile(r"replica_groups=\{\{([\d,]*)\}")
+_MESH_GROUPS = re.compile(r"replica_groups=mesh\[([^\]]*)\][^{]*\{([^}]*)\}")
+
+
+def shape_bytes(shape: str) -> int:
+    """Bytes of an HLO shape such as `f32[8,4]{1,0}` or a tuple `(f32[8], bf16[2,2])`."""
+    total = 0
+    for dtype, dims in _ARRAY.findall(shape):
+        if dtype not in DTYPE_BITS:
+            continue
+        sizes = [int(d.replace("<=", "")) for d in dims.split(",") if d.strip()]
+        total += math.prod(sizes) * DTYPE_BITS[dtype] // 8
+    return total
+
+
+@dataclass(frozen=True)
+class _Instruction:
+    name: str
+    shape: str
+    opcode: str
+    operands: str
+    attributes: str
+
+
+def _balanced(text: str, start: int) -> int:
+    """Index just past the bracket group that opens at `text[start]`."""
+    depth = 0
+    for i in range(start, len(text)):
+        if text[i] in "({":
+            depth += 1
+        elif text[i] in ")}":
+            depth -= 1
+            if depth == 0:
+                return i + 1
+    return len(text)
+
+
+def _parse_instruction(line: str) -> _Instruction | None:
+    match = _INSTRUCTION.match(line)
+    if not match:
+        return None
+    name, rest = match.groups()
+    end = _balanced(rest, 0) if rest.startswith("(") else rest.find(" ")
+    shape, rest = rest[:end], rest[end:].lstrip()
+    paren = rest.find("(")
+    if paren <= 0:
+        return None
+    opcode = rest[:paren]
+    close = _balanced(rest, paren)
+    return _Instruction(name, shape, opcode, rest[paren + 1 : close - 1], rest[close:])
+
+
+def _computations(text: str) -> tuple[dict[str, list[_Instruction]], str]:
+    """The HLO module's computations by name, and the name of its entry computation."""
+    computations: dict[str, list[_Instruction]] = {}
+    entry, current = "", None
+    for line in text.splitlines():
+        header = _HEADER.match(line)
+        if header and "=" not in line.split("(", 1)[0]:
+            current = header.group(2)
+            computations[current] = []
+            entry = current if header.group(1) else entry
+        elif line.startswith("}"):
+            current = None
+        elif current is not None and (instruction := _parse_instruction(line)):
+            computations[current].append(instruction)
+    if not entry:
+        raise ValueError("no ENTRY computation found: pass compiled HLO text (compiled.as_text())")
+    return computations, entry
+
+
+def _first_operand(operands: str) -> str:
+    """Name of the first operand, whether or not the text prints operand shapes."""
+    named = re.findall(r"%([\w.\-]+)", operands)
+    return named[0] if named else operands.split(",")[0].split()[-1]
+
+
+def _group_size(attributes: str, default: int) -> int:
+    """Devices per replica group, from any of XLA's three spellings of replica_groups."""
+    if mesh := _MESH_GROUPS.search(attributes):
+        sizes = dict(re.findall(r"'([^']+)'=(\d+)", mesh.group(1)))
+        return math.prod(int(sizes[a]) for a in re.findall(r"'([^']+)'", mesh.group(2)))
+    if iota := _IOTA_GROUPS.search(attributes):
+        return int(iota.group(1).split(",")[-1])
+    if listed := _LIST_GROUPS.search(attributes):
+        return len([d for d in listed.group(1).split(",") if d.strip()]) or default
+    return default
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One collective instruction of a compiled program and how often one call runs it."""
+
+    kind: str
+    name: str
+    computation: str
+    result_bytes: int
+    group_size: int
+    executions: int
+
+    @property
+    def array_bytes(self) -> int:
+        """Bytes of the full array the ring formula takes (a reduce-scatter's input)."""
+        if self.kind == "reduce-scatter":
+            return self.result_bytes * self.group_size
+        return self.result_bytes
+
+    @property
+    def sent_bytes(self) -> float:
+        """Bytes each device sends per call of the program, loop trip counts included."""
+        return self.executions * ring_bytes(self.kind, self.array_bytes, self.group_size)
+
+
+class CollectiveReport:
+    """The collectives of one compiled program: counts and bytes per kind."""
+
+    def __init__(self, collectives: list[Collective], num_partitions: int) -> None:
+        self.collectives = collectives
+        self.num_partitions = num_partitions
+
+    def _select(self, kind: str | None) -> Iterator[Collective]:
+        if kind is not None and kind not in KINDS:
+            raise ValueError(f"unknown collective {kind!r}; expected one of {', '.join(KINDS)}")
+        return (c for c in self.collectives if kind is None or c.kind == kind)
+
+    def count(self, kind: str | None = None) -> int:
+        """How many collectives (of `kind`) one call of the program executes."""
+        return sum(c.executions for c in self._select(kind))
+
+    def bytes(self, kind: str | None = None) -> float:
+        """Bytes each device sends in collectives (of `kind`) per call, by the ring formulas."""
+        return sum(c.sent_bytes for c in self._select(kind))
+
+    def summary(self) -> dict[str, tuple[int, float]]:
+        """(executions, bytes sent per device) for each kind that occurs."""
+        return {k: (self.count(k), self.bytes(k)) for k in KINDS if self.count(k)}
+
+    def _repr_markdown_(self) -> str:
+        rows = ["| collective | executions per call | bytes sent per device |", "|---|--:|--:|"]
+        rows += [f"| {k} | {n} | {b:,.0f} |" for k, (n, b) in self.summary().items()]
+        return "\n".join(rows) if self.collectives else "no collectives"
+
+    def __repr__(self) -> str:
+        parts = ", ".join(f"{k}: {n} x, {b:,.0f} B" for k, (n, b) in self.summary().items())
+        return f"CollectiveReport({parts or 'no collectives'})"
+
+
+def collectives(program: object) -> CollectiveReport:
+    """Collectives of a compiled program (a `jax.stages.Compiled` or its `as_text()`).
+
+    A collective inside a while loop (a scan) counts once per iteration, using the trip count
+    XLA records on the loop; an async start/done pair counts once.
+    """
+    text = program if isinstance(program, str) else program.as_text()
+    computations, entry = _computations(text)
+    partitions = re.search(r"num_partitions=(\d+)", text)
+    num_partitions = int(partitions.group(1)) if partitions else 1
+    found: dict[tuple[str, str], Collective] = {}
+
+    def visit(name: str, executions: int, path: tuple[str, ...]) -> None:
+        instructions = computations.get(name, [])
+        done_shapes = {
+            _first_operand(i.operands): i.shape for i in instructions if i.opcode.endswith("-done")
+        }
+        for ins in instructions:
+            kind = ins.opcode.removesuffix("-start")
+            if kind in KINDS and not ins.opcode.endswith("-done"):
+                shape = done_shapes.get(ins.name, ins.shape)
+                key = (name, ins.name)
+                previous = found.get(key)
+                found[key] = Collective(
+                    kind=kind,
+                    name=ins.name,
+                    computation=name,
+                    result_bytes=shape_bytes(shape),
+                    group_size=_group_size(ins.attributes, num_partitions),
+                    executions=executions + (previous.executions if previous else 0),
+                )
+            if ins.opcode.endswith("-done"):
+                continue
+            trip = _TRIP_COUNT.search(ins.attributes)
+            callees = [(role, callee) for role, callee in _CALLEES.findall(ins.attributes)]
+            for branches in _BRANCHES.findall(ins.attributes):
+                callees += [("branch", b.strip().lstrip("%")) for b in branches.split(",")]
+            for role, callee in callees:
+                if callee in path:
+                    continue
+                times = int(trip.group(1)) if trip and role in ("body", "condition") else 1
+                visit(callee, executions * times, (*path, callee))
+
+    visit(entry, 1, (entry,))
+    return CollectiveReport(list(found.values()), num_partitions)
