@@ -64,7 +64,8 @@ class EnvironmentTable(SphinxDirective):
 
         emulate_devices()
         rows = {**environment.versions(), **environment.devices()}
-        lines = ["| | |", "|---|---|", *(f"| {k} | `{v}` |" for k, v in rows.items())]
+        lines = ["| component | version or value |", "|---|---|"]
+        lines += [f"| {k} | `{v}` |" for k, v in rows.items()]
         container = nodes.container()
         self.state.nested_parse(StringList(lines), self.content_offset, container)
         return container.children

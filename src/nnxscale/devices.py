@@ -23,8 +23,9 @@ def requested_devices(value: int | str | None = None) -> int | None:
     except ValueError:
         count = 0
     if count < 1:
+        where = f"{DEVICES_ENV}={raw!r}" if value is None else f"device count {raw!r}"
         raise ValueError(
-            f"{DEVICES_ENV}={raw!r} is not a device count: use a positive integer such as 8 "
+            f"{where} is not a device count: use a positive integer such as 8 "
             f"(emulated CPU devices) or {NATIVE!r} (the accelerators JAX finds, no emulation)."
         )
     return count

@@ -1,0 +1,44 @@
+"""What the tests know about the book: its chapters, configuration and canonical setup cell."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+CHAPTERS = sorted((ROOT / "chapters").glob("[0-9][0-9]_*.md"))
+CONFIG = yaml.safe_load((ROOT / "_config.yml").read_text())
+REPOSITORY = CONFIG["repository"]["url"]
+BRANCH = CONFIG["repository"]["branch"]
+
+SETUP_CELL = """\
+# Setup: on Colab, install the book's library; everywhere, emulate devices before JAX starts.
+import importlib.util
+import os
+import subprocess
+import sys
+
+if "google.colab" in sys.modules and importlib.util.find_spec("nnxscale") is None:
+    source = os.environ.get("NNXSCALE_SOURCE", "git+{repository}@{branch}")
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", source], check=True)
+    importlib.invalidate_caches()
+
+from nnxscale.devices import emulate_devices
+
+emulate_devices()"""
+
+
+def setup_cell() -> str:
+    """The setup cell every chapter starts with, installing from the configured repository."""
+    return SETUP_CELL.format(repository=REPOSITORY, branch=BRANCH)
+
+
+def tracked(path: Path) -> bool:
+    """Whether git tracks `path` (Colab opens the committed file, not the working copy)."""
+    out = subprocess.run(
+        ["git", "ls-files", "--error-unmatch", str(path.relative_to(ROOT))],
+        cwd=ROOT, capture_output=True, text=True,
+    )  # fmt: skip
+    return out.returncode == 0

@@ -1,0 +1,99 @@
+"""The book built for real: every chapter executed, no warnings, failures fail, nothing stale."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from book import CHAPTERS, ROOT
+from conftest import jupyter_book
+
+pytestmark = pytest.mark.book
+
+NOISE = re.compile(r"DeprecationWarning|FutureWarning|UserWarning|RuntimeWarning|Traceback \(most")
+
+
+def test_every_chapter_executed_successfully(built_book: Path) -> None:
+    status = (built_book / "book" / "status.html").read_text()
+    status = status[status.index("<table") :]
+    for chapter in CHAPTERS:
+        row = re.search(rf"{chapter.stem}\.html.*?</tr>", status, re.S)
+        assert row, f"{chapter.stem} missing from the status page"
+        cells = re.findall(r"<td><p>(.*?)</p></td>", row.group(0))
+        assert cells[-3:-2] == ["force"] and cells[-1] == "✅", cells
+
+
+def test_status_page_names_versions_and_devices(built_book: Path) -> None:
+    import jax
+
+    status = (built_book / "book" / "status.html").read_text()
+    assert f'<span class="pre">{jax.__version__}</span>' in status
+    assert re.search(r"<p>devices</p></td>\s*<td><p><code[^>]*><span class=\"pre\">\d+<", status)
+
+
+def test_no_warning_or_traceback_in_any_page(built_book: Path) -> None:
+    pages = sorted(built_book.rglob("*.html"))
+    noisy = [p.relative_to(built_book) for p in pages if NOISE.search(p.read_text())]
+    assert not noisy, f"warnings or tracebacks shown on {noisy}"
+    stderr = [p for p in pages if "output stderr" in p.read_text()]
+    assert not stderr, f"cells wrote to stderr on {stderr}"
+
+
+def test_sphinx_reported_no_warnings(built_book: Path) -> None:
+    log = (ROOT / "_build" / "build.log").read_text()
+    warnings = [line for line in log.splitlines() if "WARNING:" in line]
+    assert not warnings, warnings
+
+
+def test_every_chapter_page_and_notebook_download_exists(built_book: Path) -> None:
+    for chapter in CHAPTERS:
+        assert (built_book / "chapters" / f"{chapter.stem}.html").exists()
+        assert (built_book / "_sources" / "chapters" / f"{chapter.stem}.ipynb").exists()
+
+
+def copy_of_the_book(destination: Path) -> Path:
+    """The committed book (first chapter only, to stay quick) in a scratch folder."""
+    files = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True).stdout
+    for name in files.split():
+        target = destination / name
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(ROOT / name, target)
+    toc = (destination / "_toc.yml").read_text()
+    first = f"chapters/{CHAPTERS[0].stem}"
+    toc = re.sub(r"      - file: chapters/(?!" + CHAPTERS[0].stem + r").*\n", "", toc)
+    (destination / "_toc.yml").write_text(toc)
+    assert first in toc
+    return destination
+
+
+def executed(result: subprocess.CompletedProcess[str]) -> bool:
+    return "Executing notebook" in result.stdout + result.stderr
+
+
+def test_rebuilds_execute_again_when_needed_and_failures_fail(tmp_path: Path) -> None:
+    book = copy_of_the_book(tmp_path / "book")
+    first = jupyter_book("build", ".", cwd=book)
+    assert first.returncode == 0 and executed(first), first.stderr[-3000:]
+
+    unchanged = jupyter_book("build", ".", cwd=book)
+    assert unchanged.returncode == 0 and not executed(unchanged)
+
+    # A change to the library alone re-executes the chapters that import it.
+    module = book / "src" / "nnxscale" / "comm.py"
+    module.write_text(module.read_text() + "\n# touched\n")
+    library = jupyter_book("build", ".", cwd=book)
+    assert library.returncode == 0 and executed(library)
+
+    # A failing cell fails the build, names the error, and keeps failing on the next build.
+    chapter = book / "chapters" / f"{CHAPTERS[0].stem}.md"
+    chapter.write_text(
+        chapter.read_text() + '\n```{code-cell} ipython3\nraise RuntimeError("boom")\n```\n'
+    )
+    for _ in range(2):
+        failed = jupyter_book("build", ".", cwd=book)
+        assert failed.returncode != 0
+        assert "boom" in failed.stdout + failed.stderr

@@ -1,0 +1,93 @@
+"""The book's Sphinx extension: stale chapters re-executed, scripts deduplicated, MathJax local."""
+
+from __future__ import annotations
+
+import sys
+from collections import defaultdict
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from sphinx.builders.html._assets import _JavaScript
+
+from conftest import ROOT
+
+sys.path.insert(0, str(ROOT / "book" / "_ext"))
+import nnxscale_book as ext
+
+
+@pytest.fixture
+def tree(tmp_path: Path) -> Path:
+    (tmp_path / "src" / "pkg").mkdir(parents=True)
+    (tmp_path / "src" / "pkg" / "mod.py").write_text("x = 1\n")
+    (tmp_path / "requirements.txt").write_text("jax==0.10.2\n")
+    return tmp_path
+
+
+def test_digest_follows_the_library_the_pins_and_the_device_count(tree, monkeypatch) -> None:
+    monkeypatch.delenv("NNXSCALE_DEVICES", raising=False)
+    first = ext.inputs_digest(tree)
+    assert ext.inputs_digest(tree) == first
+    (tree / "src" / "pkg" / "mod.py").write_text("x = 2\n")
+    second = ext.inputs_digest(tree)
+    (tree / "requirements.txt").write_text("jax==0.10.3\n")
+    third = ext.inputs_digest(tree)
+    monkeypatch.setenv("NNXSCALE_DEVICES", "16")
+    fourth = ext.inputs_digest(tree)
+    assert len({first, second, third, fourth}) == 4
+
+
+def fake_env(succeeded: dict[str, bool], digest: str | None):
+    docs = {"book/intro", "book/status", *succeeded}
+    env = SimpleNamespace(found_docs=docs, nb_metadata=defaultdict(dict))
+    for doc, ok in succeeded.items():
+        env.nb_metadata[doc]["exec_data"] = {"succeeded": ok}
+    if digest is not None:
+        env.nnxscale_inputs_digest = digest
+    return env
+
+
+def test_changed_inputs_mark_every_chapter(tree) -> None:
+    env = fake_env({"chapters/01": True, "chapters/02": True}, digest="old")
+    app = SimpleNamespace(srcdir=str(tree))
+    stale = ext.outdated_chapters(app, env, set(), set(), set())
+    assert sorted(stale) == ["book/status", "chapters/01", "chapters/02"]
+    assert env.nnxscale_inputs_digest == ext.inputs_digest(tree)
+
+
+def test_unchanged_inputs_mark_only_failed_chapters(tree) -> None:
+    env = fake_env({"chapters/01": True, "chapters/02": False}, digest=ext.inputs_digest(tree))
+    app = SimpleNamespace(srcdir=str(tree))
+    assert sorted(ext.outdated_chapters(app, env, set(), set(), set())) == [
+        "book/status",
+        "chapters/02",
+    ]
+
+
+def test_nothing_to_do_when_all_is_fresh(tree) -> None:
+    env = fake_env({"chapters/01": True}, digest=ext.inputs_digest(tree))
+    app = SimpleNamespace(srcdir=str(tree))
+    assert ext.outdated_chapters(app, env, set(), set(), set()) == []
+
+
+def test_inline_scripts_registered_twice_are_kept_once() -> None:
+    scripts = [
+        _JavaScript("a.js"),
+        _JavaScript(None, body="const X = 1"),
+        _JavaScript("", body="const X = 1"),
+        _JavaScript(None, body="const Y = 2"),
+        _JavaScript("a.js"),
+    ]
+    context = {"script_files": scripts}
+    ext.dedupe_scripts(None, "page", "page.html", context, None)
+    assert context["script_files"] is scripts  # edited in place: later handlers append to it
+    assert [str(s.filename or "") + s.attributes.get("body", "") for s in scripts] == [
+        "a.js",
+        "const X = 1",
+        "const Y = 2",
+    ]
+
+
+def test_mathjax_ships_with_the_book_environment() -> None:
+    source = ext._mathjax_dir()
+    assert source is not None and (source / "tex-mml-chtml.js").stat().st_size > 100_000

@@ -1,0 +1,51 @@
+"""Every chapter: a MyST source and its committed, output-free notebook twin, set up alike."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jupytext
+import pytest
+import yaml
+
+from book import CHAPTERS, ROOT, setup_cell, tracked
+
+NAMES = [c.stem for c in CHAPTERS]
+
+
+def test_there_are_chapters() -> None:
+    assert NAMES and NAMES[0] == "01_device_meshes"
+
+
+def test_the_table_of_contents_lists_every_chapter_in_order() -> None:
+    toc = yaml.safe_load((ROOT / "_toc.yml").read_text())
+    listed = [
+        entry["file"]
+        for part in toc["parts"]
+        for entry in part["chapters"]
+        if entry["file"].startswith("chapters/")
+    ]
+    assert listed == [f"chapters/{name}" for name in NAMES]
+
+
+@pytest.mark.parametrize("md", CHAPTERS, ids=NAMES)
+def test_notebook_twin_is_committed_with_the_same_cells_and_no_outputs(md: Path) -> None:
+    nb_path = md.with_suffix(".ipynb")
+    assert nb_path.exists(), f"run: jupytext --sync {md.relative_to(ROOT)}"
+    assert tracked(nb_path), f"{nb_path.name} is not committed; Colab opens the committed file"
+    source = [(c.cell_type, c.source.strip()) for c in jupytext.read(md).cells]
+    raw = json.loads(nb_path.read_text())
+    twin = [(c["cell_type"], "".join(c["source"]).strip()) for c in raw["cells"]]
+    assert twin == source, f"cells differ: run jupytext --sync {md.relative_to(ROOT)}"
+    code = [c for c in raw["cells"] if c["cell_type"] == "code"]
+    assert not any(c["outputs"] or c["execution_count"] for c in code), "strip the outputs"
+    assert raw["metadata"]["kernelspec"]["name"] == "python3"
+    assert raw["metadata"]["jupytext"]["formats"] == "ipynb,md:myst"
+
+
+@pytest.mark.parametrize("md", CHAPTERS, ids=NAMES)
+def test_first_code_cell_is_the_hidden_setup_cell(md: Path) -> None:
+    code = [c for c in jupytext.read(md).cells if c.cell_type == "code"]
+    assert code[0].source.strip() == setup_cell()
+    assert code[0].metadata.get("tags") == ["hide-cell"]

@@ -1,0 +1,102 @@
+"""Device emulation: before JAX starts, after it starts, from the environment, on a GPU runtime."""
+
+from __future__ import annotations
+
+import pytest
+
+from nnxscale.devices import requested_devices
+
+from conftest import run_python
+
+REPORT = "import jax; print(jax.device_count(), jax.devices()[0].platform)"
+
+
+def test_emulates_the_requested_count_before_jax_starts() -> None:
+    out = run_python(f"from nnxscale.devices import emulate_devices; emulate_devices(4); {REPORT}")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["4", "cpu"]
+
+
+def test_works_when_jax_is_imported_but_not_started() -> None:
+    out = run_python(
+        f"import jax; from nnxscale.devices import emulate_devices; emulate_devices(3); {REPORT}"
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["3", "cpu"]
+
+
+def test_count_comes_from_the_environment_variable() -> None:
+    out = run_python(
+        f"from nnxscale.devices import emulate_devices; emulate_devices(); {REPORT}",
+        NNXSCALE_DEVICES="16",
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["16", "cpu"]
+
+
+def test_default_is_eight_devices(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("NNXSCALE_DEVICES", raising=False)
+    assert requested_devices() == 8
+
+
+def test_forces_the_cpu_platform_even_when_a_gpu_platform_was_chosen() -> None:
+    # On a Colab GPU runtime JAX would pick the GPU; asking for "cuda" here, where there is no
+    # GPU, would fail outright unless the helper switches the platform to CPU.
+    out = run_python(
+        f"from nnxscale.devices import emulate_devices; emulate_devices(2); {REPORT}",
+        JAX_PLATFORMS="cuda",
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["2", "cpu"]
+
+
+def test_too_late_raises_a_clear_error_that_says_restart() -> None:
+    code = (
+        "import jax; jax.devices()\n"
+        "from nnxscale.devices import emulate_devices, EmulationTooLateError\n"
+        "try:\n    emulate_devices(4)\nexcept EmulationTooLateError as e:\n    print(e)\n"
+    )
+    out = run_python(code, JAX_PLATFORMS="cpu")
+    assert out.returncode == 0, out.stderr
+    assert "already started with 1 cpu device(s)" in out.stdout
+    assert "Restart the runtime" in out.stdout
+
+
+def test_repeating_the_same_request_after_start_is_harmless() -> None:
+    code = (
+        "from nnxscale.devices import emulate_devices\n"
+        f"emulate_devices(4); import jax; jax.devices(); emulate_devices(4); {REPORT}"
+    )
+    out = run_python(code)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["4", "cpu"]
+
+
+def test_native_leaves_jax_alone() -> None:
+    code = (
+        "from nnxscale.devices import emulate_devices; import jax\n"
+        "assert emulate_devices('native') is None\n"
+        "print(jax.config.jax_num_cpu_devices)"
+    )
+    out = run_python(code)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "-1"
+
+
+@pytest.mark.parametrize("value", ["0", "-2", "eight", ""])
+def test_bad_counts_name_the_variable_and_the_fix(
+    monkeypatch: pytest.MonkeyPatch, value: str
+) -> None:
+    monkeypatch.setenv("NNXSCALE_DEVICES", value)
+    with pytest.raises(ValueError, match=r"NNXSCALE_DEVICES=.*positive integer.*'native'"):
+        requested_devices()
+
+
+def test_native_is_read_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("NNXSCALE_DEVICES", "Native")
+    assert requested_devices() is None
+
+
+def test_bad_argument_is_named_as_an_argument() -> None:
+    with pytest.raises(ValueError, match="device count 0 is not a device count"):
+        requested_devices(0)

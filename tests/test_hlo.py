@@ -1,0 +1,182 @@
+"""The HLO collective counter on programs whose answer is known."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from nnxscale.hlo import collectives, shape_bytes
+from nnxscale.mesh import make_mesh
+
+N = 8
+BLOCK = 4  # f32 elements per device
+FULL = N * BLOCK * 4  # bytes of the whole vector
+
+
+@pytest.fixture(scope="module")
+def ring():
+    return make_mesh((N,), ("ring",))
+
+
+@pytest.fixture(scope="module")
+def vector(ring):
+    return jax.device_put(jnp.arange(N * BLOCK, dtype=jnp.float32), NamedSharding(ring, P("ring")))
+
+
+def compiled(ring, vector, fn):
+    smap = jax.shard_map(fn, mesh=ring, in_specs=P("ring"), out_specs=P("ring"))
+    return jax.jit(smap).lower(vector).compile()
+
+
+@pytest.mark.parametrize(
+    ("kind", "fn", "expected_bytes"),
+    [
+        ("all-gather", lambda b: jax.lax.all_gather(b, "ring", tiled=True), 7 / 8 * FULL),
+        ("reduce-scatter", lambda b: jax.lax.psum_scatter(jnp.tile(b, N), "ring", tiled=True),
+         7 / 8 * FULL),
+        ("all-reduce", lambda b: jax.lax.psum(b, "ring"), 2 * 7 / 8 * FULL / N),
+        ("collective-permute",
+         lambda b: jax.lax.ppermute(b, "ring", [(i, (i + 1) % N) for i in range(N)]), FULL / N),
+        ("all-to-all", lambda b: jax.lax.all_to_all(jnp.tile(b, N), "ring", 0, 0, tiled=True),
+         7 / 8 * FULL),
+    ],
+)  # fmt: skip
+def test_each_collective_is_found_once_with_ring_bytes(ring, vector, kind, fn, expected_bytes):
+    report = collectives(compiled(ring, vector, fn))
+    assert report.count() == 1
+    assert report.count(kind) == 1
+    assert report.bytes(kind) == pytest.approx(expected_bytes)
+    assert report.collectives[0].group_size == N
+
+
+def test_no_collectives_in_a_local_program(ring, vector):
+    report = collectives(compiled(ring, vector, lambda b: jnp.sin(b) * 2))
+    assert report.count() == 0 and report.bytes() == 0
+    assert report.summary() == {}
+    assert "no collectives" in repr(report)
+
+
+def test_a_collective_in_a_scan_counts_once_per_iteration(ring, vector):
+    def fn(b):
+        def body(carry, _):
+            return carry + jax.lax.psum(carry, "ring"), None
+
+        return jax.lax.scan(body, b, None, length=6)[0]
+
+    report = collectives(compiled(ring, vector, fn))
+    assert report.count("all-reduce") == 6
+    assert report.bytes() == pytest.approx(6 * 2 * 7 / 8 * FULL / N)
+
+
+def test_nested_loops_multiply_their_trip_counts(ring, vector):
+    def fn(b):
+        def inner(carry, _):
+            return carry + jax.lax.psum(carry, "ring"), None
+
+        def outer(carry, _):
+            return jax.lax.scan(inner, carry, None, length=3)[0], None
+
+        return jax.lax.scan(outer, b, None, length=4)[0]
+
+    assert collectives(compiled(ring, vector, fn)).count("all-reduce") == 12
+
+
+def test_groups_on_a_two_dimensional_mesh_use_the_axis_size():
+    mesh = make_mesh((4, 2), ("a", "b"))
+    x = jax.device_put(jnp.ones((8, 8)), NamedSharding(mesh, P("a", "b")))
+    fn = jax.shard_map(
+        lambda blk: jax.lax.psum(blk, "b") + jax.lax.all_gather(blk, "a", tiled=True)[:2],
+        mesh=mesh, in_specs=P("a", "b"), out_specs=P("a", "b"),
+    )  # fmt: skip
+    report = collectives(jax.jit(fn).lower(x).compile())
+    sizes = {c.kind: c.group_size for c in report.collectives}
+    assert sizes == {"all-reduce": 2, "all-gather": 4}
+    block = 2 * 4 * 4  # a (2, 4) f32 block
+    assert report.bytes("all-reduce") == 2 * 1 / 2 * block
+    assert report.bytes("all-gather") == 3 / 4 * 4 * block
+
+
+def test_compiler_inserted_collectives_are_counted():
+    mesh = make_mesh((4, 2), ("data", "model"))
+    lhs = jax.device_put(jnp.ones((16, 8)), NamedSharding(mesh, P(None, "model")))
+    rhs = jax.device_put(jnp.ones((8, 4)), NamedSharding(mesh, P("model", None)))
+    out = NamedSharding(mesh, P("data", None))
+    fn = jax.jit(lambda a, b: jnp.matmul(a, b, out_sharding=out))
+    report = collectives(fn.lower(lhs, rhs).compile())
+    assert report.count() == 1
+    assert report.bytes("all-reduce") == 2 * 1 / 2 * (4 * 4 * 4)  # (4, 4) f32 over model pairs
+
+
+ASYNC_HLO = """
+HloModule jit_f, num_partitions=8
+
+%body (p: (s32[], f32[8])) -> (s32[], f32[8]) {
+  %p = (s32[], f32[8]{0}) parameter(0)
+  %x = f32[1]{0} get-tuple-element(%p), index=1
+  %all-gather-start = (f32[1]{0}, f32[8]{0}) all-gather-start(f32[1]{0} %x), channel_id=1, replica_groups=[1,8]<=[8], dimensions={0}
+  %all-gather-done = f32[8]{0} all-gather-done((f32[1]{0}, f32[8]{0}) %all-gather-start)
+  ROOT %t = (s32[], f32[8]{0}) tuple(%i, %all-gather-done)
+}
+
+%cond (p: (s32[], f32[8])) -> pred[] {
+  ROOT %lt = pred[] compare(%i, %n), direction=LT
+}
+
+ENTRY %main (a: f32[8], b: bf16[4,4]) -> f32[8] {
+  %a = f32[8]{0} parameter(0)
+  %b = bf16[4,4]{1,0} parameter(1)
+  %all-reduce-start = bf16[4,4]{1,0} all-reduce-start(%b), replica_groups={{0,1},{2,3},{4,5},{6,7}}, to_apply=%add
+  %all-reduce-done = bf16[4,4]{1,0} all-reduce-done(%all-reduce-start)
+  %cp-start = (f32[8]{0}, f32[8]{0}, u32[], u32[]) collective-permute-start(%a), source_target_pairs={{0,1},{1,0}}
+  %cp-done = f32[8]{0} collective-permute-done(%cp-start)
+  %w = (s32[], f32[8]{0}) while(%init), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"3"}}
+  ROOT %r = f32[8]{0} add(%cp-done, %a)
+}
+"""  # noqa: E501
+
+
+def test_async_start_done_pairs_count_once_with_the_done_shape():
+    report = collectives(ASYNC_HLO)
+    assert report.summary() == {
+        "all-gather": (3, 3 * 7 / 8 * 32),
+        "all-reduce": (1, 2 * 1 / 2 * 32),
+        "collective-permute": (1, 32),
+    }
+    assert report.num_partitions == 8
+
+
+def test_replica_group_spellings():
+    text = """ENTRY %main (a: f32[8]) -> f32[8] {
+  %a = f32[8]{0} parameter(0)
+  %r1 = f32[8]{0} all-reduce(%a), replica_groups=[2,4]<=[8], to_apply=%add
+  %r2 = f32[8]{0} all-reduce(%a), replica_groups=[4,2]<=[2,4]T(1,0), to_apply=%add
+  %r3 = f32[8]{0} all-reduce(%a), replica_groups={{0,1,2},{3,4,5}}, to_apply=%add
+  %r4 = f32[8]{0} all-reduce(%a), replica_groups=mesh['x'=2,'y'=2,'z'=2], device_ids=([8]) {'x','z'}, to_apply=%add
+  ROOT %r5 = f32[8]{0} all-reduce(%a), replica_groups={}, to_apply=%add
+}"""  # noqa: E501
+    sizes = [c.group_size for c in sorted(collectives(text).collectives, key=lambda c: c.name)]
+    assert sizes == [4, 2, 3, 4, 1]  # an empty group list means all partitions (1 here)
+
+
+def test_shape_bytes():
+    assert shape_bytes("f32[8,4]{1,0}") == 128
+    assert shape_bytes("(f32[8]{0}, bf16[2,2]{1,0})") == 40
+    assert shape_bytes("pred[3]") == 3
+    assert shape_bytes("f32[]") == 4
+    assert shape_bytes("s4[8]") == 4
+    assert shape_bytes("f32[<=16]") == 64
+
+
+def test_errors_name_the_problem():
+    with pytest.raises(ValueError, match="no ENTRY computation"):
+        collectives("this is not HLO")
+    with pytest.raises(ValueError, match="unknown collective 'broadcast'"):
+        collectives(ASYNC_HLO).count("broadcast")
+
+
+def test_markdown_table():
+    table = collectives(ASYNC_HLO)._repr_markdown_()
+    assert "| all-gather | 3 | 84 |" in table

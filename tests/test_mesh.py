@@ -1,0 +1,47 @@
+"""Meshes: shapes that fit, and errors that say what to do when they do not."""
+
+from __future__ import annotations
+
+import jax
+import pytest
+from jax.sharding import AxisType
+
+from nnxscale.mesh import grid_shape, make_mesh
+
+
+@pytest.mark.parametrize(("n", "shape"), [(4, (2, 2)), (8, (4, 2)), (16, (8, 2)), (2, (1, 2))])
+def test_grid_shape(n: int, shape: tuple[int, int]) -> None:
+    assert grid_shape(n) == shape
+
+
+def test_grid_shape_rejects_an_inner_size_that_does_not_divide() -> None:
+    with pytest.raises(ValueError, match="choose an inner size that divides 6"):
+        grid_shape(6, 4)
+
+
+def test_explicit_and_auto_axes() -> None:
+    assert make_mesh((4, 2), ("a", "b")).axis_types == (AxisType.Explicit,) * 2
+    assert make_mesh((8,), ("a",), explicit=False).axis_types == (AxisType.Auto,)
+
+
+def test_a_subset_of_devices() -> None:
+    mesh = make_mesh((2, 2), ("a", "b"), devices=jax.devices()[:4])
+    assert mesh.devices.size == 4
+
+
+def test_a_mesh_that_does_not_fit_names_the_fix() -> None:
+    with pytest.raises(ValueError, match=r"needs 16 devices but 8 are available.*\(4, 2\).*=16"):
+        make_mesh((4, 4), ("a", "b"))
+
+
+@pytest.mark.parametrize(
+    ("shape", "names", "message"),
+    [
+        ((4, 2), ("a",), "has 2 axes but 1 names"),
+        ((4, 2), ("a", "a"), "must be distinct"),
+        ((8, 0), ("a", "b"), "must be positive"),
+    ],
+)
+def test_malformed_meshes(shape, names, message) -> None:
+    with pytest.raises(ValueError, match=message):
+        make_mesh(shape, names)
