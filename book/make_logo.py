@@ -1,4 +1,4 @@
-"""Draws the book's logo and favicon (a 4 x 2 device mesh, one block highlighted) with matplotlib.
+"""Draws the book's logo and favicons (a 4 x 2 mesh of coloured devices) with matplotlib.
 
 Run from the repository root: python book/make_logo.py
 """
@@ -6,6 +6,7 @@ Run from the repository root: python book/make_logo.py
 from pathlib import Path
 
 import matplotlib
+from PIL import Image
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
@@ -35,6 +36,8 @@ def draw(size_inches: float, dpi: int, path: Path, title: bool) -> None:
 
 
 if __name__ == "__main__":
-    STATIC.mkdir(exist_ok=True)
+    (STATIC / "root").mkdir(parents=True, exist_ok=True)
     draw(1.6, 100, STATIC / "logo.png", title=True)
     draw(0.32, 100, STATIC / "favicon.png", title=False)
+    # Browsers ask the site root for /favicon.ico on pages without an icon link (the redirect).
+    Image.open(STATIC / "favicon.png").save(STATIC / "root" / "favicon.ico", sizes=[(32, 32)])

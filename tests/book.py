@@ -21,7 +21,9 @@ import subprocess
 import sys
 
 if "google.colab" in sys.modules and importlib.util.find_spec("nnxscale") is None:
-    source = os.environ.get("NNXSCALE_SOURCE", "git+{repository}@{branch}")
+    source = os.environ.get(
+        "NNXSCALE_SOURCE", "git+{repository}@{branch}"
+    )
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", source], check=True)
     importlib.invalidate_caches()
 

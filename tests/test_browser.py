@@ -1,0 +1,137 @@
+"""The built book in a real headless Chromium: pages, images, links, search, screenshots.
+
+Without Chromium these tests skip, unless NNXSCALE_REQUIRE_BROWSER=1 (CI sets it), which
+makes a missing browser a failure.
+"""
+
+from __future__ import annotations
+
+import functools
+import http.server
+import json
+import os
+import shutil
+import threading
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from book import BRANCH, CHAPTERS, REPOSITORY, ROOT, tracked
+
+pytestmark = [pytest.mark.book, pytest.mark.browser]
+
+PAGES = [
+    "index.html", "book/intro.html", "book/setup.html",
+    *[f"chapters/{c.stem}.html" for c in CHAPTERS],
+    "book/glossary.html", "book/references.html", "book/status.html",
+    "genindex.html", "search.html",
+]  # fmt: skip
+CHROMIUM_FLAGS = [
+    "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+    "--disable-background-networking", "--disable-component-update", "--disable-sync",
+]  # fmt: skip
+SCREENSHOTS = ROOT / "_build" / "screenshots"
+
+
+def chromium_path() -> str | None:
+    return os.environ.get("NNXSCALE_CHROMIUM") or shutil.which("chromium")
+
+
+@pytest.fixture(scope="module")
+def site(built_book: Path) -> Iterator[str]:
+    """The built HTML served on a free localhost port."""
+
+    class Quiet(http.server.SimpleHTTPRequestHandler):
+        def log_message(self, *args: object) -> None:
+            pass
+
+    handler = functools.partial(Quiet, directory=str(built_book))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+
+
+@pytest.fixture(scope="module")
+def browser():
+    path = chromium_path()
+    if path is None:
+        message = "no Chromium found: install Debian's chromium package (apt-get install chromium)"
+        if os.environ.get("NNXSCALE_REQUIRE_BROWSER") == "1":
+            pytest.fail(message + "; NNXSCALE_REQUIRE_BROWSER=1 makes browser tests mandatory")
+        pytest.skip(message)
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as playwright:
+        chromium = playwright.chromium.launch(executable_path=path, args=CHROMIUM_FLAGS)
+        yield chromium
+        chromium.close()
+
+
+def open_page(browser, url: str):
+    """A page loaded until the network is idle, with every console error and failed request."""
+    page = browser.new_page(viewport={"width": 1280, "height": 900})
+    problems: list[str] = []
+    page.on("console", lambda m: problems.append(f"console {m.type}: {m.text}")
+            if m.type == "error" else None)  # fmt: skip
+    page.on("pageerror", lambda e: problems.append(f"page error: {e}"))
+    page.on("requestfailed", lambda r: problems.append(f"failed request: {r.url}"))
+    page.on("response", lambda r: problems.append(f"HTTP {r.status}: {r.url}")
+            if r.status >= 400 else None)  # fmt: skip
+    page.goto(url, wait_until="networkidle")
+    return page, problems
+
+
+def test_every_built_page_is_checked(built_book: Path) -> None:
+    built = {
+        str(p.relative_to(built_book))
+        for p in built_book.rglob("*.html")
+        if not p.relative_to(built_book).parts[0].startswith("_")
+    }
+    assert built == set(PAGES)
+
+
+@pytest.mark.parametrize("path", PAGES)
+def test_page_loads_cleanly_with_its_images(browser, site: str, path: str) -> None:
+    page, problems = open_page(browser, f"{site}/{path}")
+    images = page.evaluate(
+        "Array.from(document.images).map(i => [i.src, i.complete && i.naturalWidth > 0])"
+    )
+    SCREENSHOTS.mkdir(parents=True, exist_ok=True)
+    page.screenshot(path=SCREENSHOTS / (path.replace("/", "_")[:-5] + ".png"), full_page=True)
+    page.close()
+    assert problems == []
+    assert [src for src, ok in images if not ok] == []
+    assert images, "every page shows at least the logo"
+
+
+@pytest.mark.parametrize("chapter", CHAPTERS, ids=[c.stem for c in CHAPTERS])
+def test_chapter_buttons_point_at_committed_files(browser, site: str, chapter: Path) -> None:
+    page, problems = open_page(browser, f"{site}/chapters/{chapter.stem}.html")
+    links = page.eval_on_selector_all("a", "as => as.map(a => a.href)")
+    page.close()
+    assert problems == []
+    github = REPOSITORY.removeprefix("https://github.com/")
+    colab = [u for u in links if u.startswith("https://colab.research.google.com/")]
+    assert colab == [f"https://colab.research.google.com/github/{github}/blob/{BRANCH}/"
+                     f"chapters/{chapter.stem}.ipynb"]  # fmt: skip
+    assert tracked(chapter.with_suffix(".ipynb"))
+    assert REPOSITORY in links
+    assert any(u.startswith(f"{REPOSITORY}/issues/new") for u in links)
+    download = [u for u in links if u.endswith(f"_sources/chapters/{chapter.stem}.ipynb")]
+    assert download, "download button for the executed notebook"
+    with urllib.request.urlopen(download[0]) as response:
+        notebook = json.load(response)
+    outputs = [o for c in notebook["cells"] if c["cell_type"] == "code" for o in c["outputs"]]
+    assert outputs, "the downloadable notebook carries the build's outputs"
+
+
+def test_search_finds_a_chapter(browser, site: str) -> None:
+    page, problems = open_page(browser, f"{site}/search.html?q=collectives")
+    page.wait_for_selector("#search-results li a", timeout=20_000)
+    hits = page.eval_on_selector_all("#search-results li a", "as => as.map(a => a.href)")
+    page.close()
+    assert any(f"chapters/{CHAPTERS[0].stem}.html" in h for h in hits), hits
+    assert problems == []
