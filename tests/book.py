@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -44,3 +45,16 @@ def tracked(path: Path) -> bool:
         cwd=ROOT, capture_output=True, text=True,
     )  # fmt: skip
     return out.returncode == 0
+
+
+def copy_checkout(destination: Path) -> Path:
+    """The files a commit of this working tree would hold (tracked, or new and not ignored)."""
+    listed = subprocess.run(
+        ["git", "ls-files", "--cached", "--others", "--exclude-standard"],
+        cwd=ROOT, capture_output=True, text=True, check=True,
+    ).stdout.split()  # fmt: skip
+    for name in listed:
+        if (ROOT / name).is_file():
+            (destination / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / name, destination / name)
+    return destination

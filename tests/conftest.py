@@ -11,7 +11,8 @@ import pytest
 
 from nnxscale.devices import emulate_devices
 
-ROOT = Path(__file__).resolve().parent.parent
+from book import ROOT
+
 TEST_DEVICES = 8
 
 emulate_devices(TEST_DEVICES)

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import re
-import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
 
-from book import CHAPTERS, ROOT
+from book import CHAPTERS, ROOT, copy_checkout
 from conftest import jupyter_book
 
 pytestmark = pytest.mark.book
@@ -56,17 +55,12 @@ def test_every_chapter_page_and_notebook_download_exists(built_book: Path) -> No
 
 
 def copy_of_the_book(destination: Path) -> Path:
-    """The committed book (first chapter only, to stay quick) in a scratch folder."""
-    files = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True).stdout
-    for name in files.split():
-        target = destination / name
-        target.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(ROOT / name, target)
+    """This checkout's book, with only the first chapter (to stay quick), in a scratch folder."""
+    copy_checkout(destination)
     toc = (destination / "_toc.yml").read_text()
-    first = f"chapters/{CHAPTERS[0].stem}"
     toc = re.sub(r"      - file: chapters/(?!" + CHAPTERS[0].stem + r").*\n", "", toc)
     (destination / "_toc.yml").write_text(toc)
-    assert first in toc
+    assert f"chapters/{CHAPTERS[0].stem}" in toc
     return destination
 
 

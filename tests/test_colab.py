@@ -10,7 +10,6 @@ and forces the CPU platform although the kernel was told to use a GPU.
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import sys
 import sysconfig
@@ -20,22 +19,9 @@ import nbformat
 import pytest
 from nbclient import NotebookClient
 
-from book import CHAPTERS, ROOT
+from book import CHAPTERS, copy_checkout
 
 pytestmark = pytest.mark.book
-
-
-def copy_checkout(destination: Path) -> Path:
-    """The files git would clone (tracked, or new and not ignored), without build leftovers."""
-    listed = subprocess.run(
-        ["git", "ls-files", "--cached", "--others", "--exclude-standard"],
-        cwd=ROOT, capture_output=True, text=True, check=True,
-    ).stdout.split()  # fmt: skip
-    for name in listed:
-        if (ROOT / name).is_file():
-            (destination / name).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(ROOT / name, destination / name)
-    return destination
 
 
 @pytest.fixture(scope="module")
@@ -97,23 +83,15 @@ def test_run_all_as_on_colab(
     monkeypatch.setenv("JUPYTER_PATH", str(colab["jupyter"]))
     monkeypatch.delenv("NNXSCALE_DEVICES", raising=False)
     notebook = nbformat.read(md.with_suffix(".ipynb"), as_version=4)
-    client = NotebookClient(
-        notebook,
-        kernel_name="colab",
-        timeout=600,
-        resources={"metadata": {"path": str(colab["content"])}},
-    )
-    client.execute()
-    outputs = [o for c in notebook.cells if c.cell_type == "code" for o in c.outputs]
-    assert not [o for o in outputs if o.output_type == "error"]
     check = nbformat.v4.new_code_cell(
-        "import jax, nnxscale; print(jax.device_count(), jax.devices()[0].platform,"
-        " nnxscale.__file__)"
+        "import jax, nnxscale\n"
+        "print(jax.device_count(), jax.devices()[0].platform, nnxscale.__file__)"
     )
-    notebook.cells.append(check)
-    client = NotebookClient(notebook, kernel_name="colab", timeout=600,
-                            resources={"metadata": {"path": str(colab["content"])}})  # fmt: skip
-    client.execute()
+    notebook.cells.append(check)  # after "Run all": what did the notebook run on?
+    NotebookClient(
+        notebook, kernel_name="colab", timeout=600,
+        resources={"metadata": {"path": str(colab["content"])}},
+    ).execute()  # fmt: skip
     count, platform, location = check.outputs[0]["text"].split()
     assert (count, platform) == ("8", "cpu")
     assert str(colab["venv"]) in location  # installed by the setup cell into the throwaway venv

@@ -168,6 +168,11 @@ def test_shape_bytes():
     assert shape_bytes("f32[]") == 4
     assert shape_bytes("s4[8]") == 4
     assert shape_bytes("f32[<=16]") == 64
+    assert shape_bytes("f8e4m3fn[16]") == 16
+    assert shape_bytes("c128[2]") == 32
+    assert shape_bytes("token[]") == 0
+    with pytest.raises(ValueError, match="unknown HLO element type 'opaque'"):
+        shape_bytes("opaque[2]")
 
 
 def test_errors_name_the_problem():

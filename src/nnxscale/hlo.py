@@ -9,11 +9,7 @@ from dataclasses import dataclass
 
 from nnxscale.comm import KINDS, ring_bytes
 
-DTYPE_BITS = {
-    "pred": 8, "s2": 2, "u2": 2, "s4": 4, "u4": 4, "s8": 8, "u8": 8, "s16": 16, "u16": 16,
-    "s32": 32, "u32": 32, "s64": 64, "u64": 64, "f16": 16, "bf16": 16, "f32": 32, "f64": 64,
-    "c64": 64, "c128": 128, "token": 0,
-}  # fmt: skip
+SPECIAL_BITS = {"pred": 8, "token": 0}
 _ARRAY = re.compile(r"\b([a-z]+[0-9a-z]*)\[([^\]]*)\]")
 _HEADER = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$")
@@ -31,11 +27,19 @@ def shape_bytes(shape: str) -> int:
     """Bytes of an HLO shape such as `f32[8,4]{1,0}` or a tuple `(f32[8], bf16[2,2])`."""
     total = 0
     for dtype, dims in _ARRAY.findall(shape):
-        if dtype not in DTYPE_BITS:
-            continue
         sizes = [int(d.replace("<=", "")) for d in dims.split(",") if d.strip()]
-        total += math.prod(sizes) * DTYPE_BITS[dtype] // 8
+        total += math.prod(sizes) * dtype_bits(dtype) // 8
     return total
+
+
+def dtype_bits(dtype: str) -> int:
+    """Bits of an HLO element type: f32 -> 32, bf16 -> 16, f8e4m3fn -> 8, s4 -> 4, pred -> 8."""
+    if dtype in SPECIAL_BITS:
+        return SPECIAL_BITS[dtype]
+    width = re.match(r"[a-z]+?(\d+)", dtype)
+    if width is None:
+        raise ValueError(f"unknown HLO element type {dtype!r}")
+    return int(width.group(1))
 
 
 @dataclass(frozen=True)
@@ -174,7 +178,8 @@ def collectives(program: object) -> CollectiveReport:
     """Collectives of a compiled program (a `jax.stages.Compiled` or its `as_text()`).
 
     A collective inside a while loop (a scan) counts once per iteration, using the trip count
-    XLA records on the loop; an async start/done pair counts once.
+    XLA records on the loop (a loop without one counts once); an async start/done pair counts
+    once; a collective in a branch of a conditional counts as if its branch ran.
     """
     text = program if isinstance(program, str) else program.as_text()
     computations, entry = _computations(text)
