@@ -116,6 +116,23 @@ def _group_size(attributes: str, default: int) -> int:
     return default
 
 
+def largest_array(program: object) -> tuple[int, str]:
+    """Bytes and name of the largest array any instruction of a compiled program produces.
+
+    In an SPMD-partitioned program every shape is per device, so this bounds what one device
+    ever holds in a single buffer: evidence that no device materialises an unsharded array.
+    """
+    text = program if isinstance(program, str) else program.as_text()
+    computations, _ = _computations(text)
+    sizes = [
+        (max(shape_bytes(f"{d}[{dims}]") for d, dims in arrays), f"{name}: {ins.name}")
+        for name, instructions in computations.items()
+        for ins in instructions
+        if (arrays := _ARRAY.findall(ins.shape))
+    ]
+    return max(sizes) if sizes else (0, "")
+
+
 @dataclass(frozen=True)
 class Collective:
     """One collective instruction of a compiled program and how often one call runs it."""

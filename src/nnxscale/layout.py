@@ -1,0 +1,198 @@
+"""Resolving a rule set against a model and a mesh: a spec, shard shape and byte count per array."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from nnxscale.rules import RuleError, Rules
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    """Where one array goes: its logical names, mesh spec, per-device shape and bytes, and why."""
+
+    path: str
+    shape: tuple[int, ...]
+    dtype: str
+    logical: tuple[str | None, ...] | None
+    spec: PartitionSpec
+    shard_shape: tuple[int, ...]
+    bytes_per_device: int
+    total_bytes: int
+    reason: str
+
+
+def largest_divisible_dim(shape: tuple[int, ...], size: int) -> int | None:
+    """The largest dimension that `size` divides (the first of equals), or None."""
+    fits = [d for d in range(len(shape)) if shape[d] % size == 0 and shape[d] >= size]
+    return max(fits, key=lambda d: (shape[d], -d)) if fits else None
+
+
+def _axes_size(mesh: Mesh, axes: tuple[str, ...]) -> int:
+    return math.prod(mesh.shape[a] for a in axes)
+
+
+def _spec_entry(axes: tuple[str, ...] | None) -> str | tuple[str, ...] | None:
+    if not axes:
+        return None
+    return axes[0] if len(axes) == 1 else axes
+
+
+def _place_logical(
+    path: str, shape: tuple[int, ...], logical: tuple[str | None, ...], rules: Rules, mesh: Mesh
+) -> tuple[list[tuple[str, ...] | None], list[str]]:
+    if len(logical) != len(shape):
+        raise RuleError(
+            f"{path}: {len(logical)} logical names {logical} for an array of shape {shape}; "
+            "give one name (or None) per dimension."
+        )
+    chosen: list[tuple[str, ...] | None] = []
+    notes: list[str] = []
+    used: set[str] = set()
+    for size, name in zip(shape, logical, strict=True):
+        if name is None:
+            chosen.append(None)
+            continue
+        pick, skipped = None, []
+        for axes in rules.candidates(name, path):
+            if used & set(axes):
+                skipped.append(f"{'+'.join(axes)} already splits another dimension")
+            elif size % _axes_size(mesh, axes):
+                skipped.append(f"{'+'.join(axes)} ({_axes_size(mesh, axes)}) does not divide it")
+            else:
+                pick = axes
+                break
+        if pick is None and skipped and rules.strict:
+            raise RuleError(
+                f"{path}: dimension {name}={size} cannot be split ({'; '.join(skipped)}) and "
+                f"rule set {rules.name!r} is strict. Make {name} a multiple of the axis size, "
+                f"add a fallback for {name!r}, or use strict=False to replicate it."
+            )
+        if skipped:
+            outcome = f"{'+'.join(pick)}" if pick else "replicated"
+            notes.append(f"{name}={size}: {'; '.join(skipped)}, so {outcome}")
+        used |= set(pick or ())
+        chosen.append(pick)
+    return chosen, notes
+
+
+def _place(
+    path: str, shape: tuple[int, ...], logical: tuple[str | None, ...] | None, rules: Rules,
+    mesh: Mesh,
+) -> tuple[list[tuple[str, ...] | None], str]:  # fmt: skip
+    if logical is not None:
+        chosen, notes = _place_logical(path, shape, logical, rules, mesh)
+        return chosen, "; ".join(notes)
+    chosen = [None] * len(shape)
+    if rules.auto_axis is None:
+        return chosen, "no logical names: replicated"
+    size = mesh.shape[rules.auto_axis]
+    dim = largest_divisible_dim(shape, size)
+    if dim is None:
+        return chosen, f"auto: no dimension divisible by {rules.auto_axis} ({size}), replicated"
+    chosen[dim] = (rules.auto_axis,)
+    return chosen, f"auto: largest dimension divisible by {rules.auto_axis} ({size})"
+
+
+def _logical_names(leaf: Any, path: str, rules: Rules) -> tuple[str | None, ...] | None:
+    from_path = rules.names_for_path(path)
+    if from_path is not None:
+        return tuple(from_path)
+    if isinstance(leaf, nnx.Variable):
+        names = leaf.get_metadata().get("out_sharding")
+        return tuple(names) if names else None
+    return None
+
+
+class Layout:
+    """A rule set resolved against a tree of arrays and a mesh."""
+
+    def __init__(self, rules: Rules, mesh: Mesh, placements: list[Placement], specs: Any):
+        self.rules = rules
+        self.mesh = mesh
+        self.placements = placements
+        self.specs = specs
+
+    def shardings(self) -> Any:
+        """The tree of `NamedSharding`s, shaped like the resolved tree."""
+        return jax.tree.map(
+            lambda spec: NamedSharding(self.mesh, spec),
+            self.specs,
+            is_leaf=lambda x: isinstance(x, PartitionSpec),
+        )
+
+    def bytes_per_device(self) -> int:
+        """Bytes each device holds for the whole tree (the largest share if uneven)."""
+        return sum(p.bytes_per_device for p in self.placements)
+
+    def total_bytes(self) -> int:
+        """Bytes of the whole tree, unsharded."""
+        return sum(p.total_bytes for p in self.placements)
+
+    def replicated_bytes(self) -> int:
+        """Bytes of the arrays that no mesh axis splits: held whole by every device."""
+        return sum(p.total_bytes for p in self.placements if not any(p.spec))
+
+    def __getitem__(self, path: str) -> Placement:
+        for placement in self.placements:
+            if placement.path == path:
+                return placement
+        raise KeyError(f"no array at {path!r}; paths look like {self.placements[0].path!r}")
+
+    def _repr_markdown_(self) -> str:
+        header = (
+            f"**{self.rules.name}** on mesh {dict(self.mesh.shape)}: "
+            f"{self.bytes_per_device():,} of {self.total_bytes():,} bytes per device "
+            f"({self.bytes_per_device() / self.total_bytes():.1%})\n\n"
+            "| path | shape | logical axes | mesh spec | per device | bytes/device | note |\n"
+            "|---|---|---|---|---|--:|---|\n"
+        )
+        rows = [
+            f"| {p.path} | {p.shape} | {p.logical or '-'} | {tuple(p.spec)} | {p.shard_shape} "
+            f"| {p.bytes_per_device:,} | {p.reason} |"
+            for p in self.placements
+        ]
+        return header + "\n".join(rows)
+
+
+def resolve(tree: Any, rules: Rules, mesh: Mesh) -> Layout:
+    """Place every array of `tree` (an nnx State, a module's state, or any pytree) on `mesh`.
+
+    Logical names come from a matching path rule, else the variable's `out_sharding`
+    annotation; arrays with neither are replicated, or split by the automatic FSDP rule.
+    """
+    missing = sorted(rules.mesh_axes() - set(mesh.axis_names))
+    if missing:
+        raise RuleError(
+            f"rule set {rules.name!r} uses mesh axes {missing} that the mesh "
+            f"{dict(mesh.shape)} does not have. Add them to the mesh (size 1 is fine) or use "
+            "a rule set written for this mesh."
+        )
+    flat, treedef = jax.tree_util.tree_flatten_with_path(
+        tree, is_leaf=lambda x: isinstance(x, nnx.Variable)
+    )
+    placements, specs = [], []
+    for key_path, leaf in flat:
+        path = jax.tree_util.keystr(key_path, simple=True, separator="/")
+        shape = tuple(int(d) for d in np.shape(leaf))
+        dtype = np.dtype(leaf.dtype)
+        logical = _logical_names(leaf, path, rules)
+        chosen, reason = _place(path, shape, logical, rules, mesh)
+        spec = PartitionSpec(*(_spec_entry(axes) for axes in chosen))
+        splits = [_axes_size(mesh, a) if a else 1 for a in chosen]
+        shard = tuple(s // k for s, k in zip(shape, splits, strict=True))
+        placements.append(
+            Placement(
+                path, shape, dtype.name, logical, spec, shard,
+                math.prod(shard) * dtype.itemsize, math.prod(shape) * dtype.itemsize, reason,
+            )
+        )  # fmt: skip
+        specs.append(leaf.replace(spec) if isinstance(leaf, nnx.Variable) else spec)
+    return Layout(rules, mesh, placements, treedef.unflatten(specs))

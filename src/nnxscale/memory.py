@@ -1,0 +1,41 @@
+"""Memory measured, not estimated: bytes on each device, and a compiled program's footprint."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+from typing import Any
+
+import jax
+
+
+def device_bytes(tree: Any) -> dict[int, int]:
+    """Bytes each device holds for the arrays of `tree`, summed over their addressable shards."""
+    held: Counter[int] = Counter()
+    for leaf in jax.tree.leaves(tree):
+        for shard in getattr(leaf, "addressable_shards", ()):
+            held[shard.device.id] += shard.data.nbytes
+    return dict(sorted(held.items()))
+
+
+@dataclasses.dataclass(frozen=True)
+class CompiledMemory:
+    """Per-device bytes of a compiled program, from XLA's memory analysis."""
+
+    argument: int
+    output: int
+    temp: int
+    alias: int
+    peak: int
+
+    @classmethod
+    def of(cls, compiled: jax.stages.Compiled) -> CompiledMemory:
+        """Read the memory analysis of a compiled program (`jax.jit(f).lower(...).compile()`)."""
+        stats = compiled.memory_analysis()
+        return cls(
+            argument=stats.argument_size_in_bytes,
+            output=stats.output_size_in_bytes,
+            temp=stats.temp_size_in_bytes,
+            alias=stats.alias_size_in_bytes,
+            peak=stats.peak_memory_in_bytes,
+        )

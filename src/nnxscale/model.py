@@ -1,0 +1,195 @@
+"""The book's decoder-only Transformer in Flax NNX, every parameter named with logical axes.
+
+Parameters carry logical axis names (`vocab`, `embed`, `heads`, `head_dim`, `mlp`, `length`,
+`layers`) in Flax's `out_sharding` metadata, never mesh axis names: a rule set
+(`nnxscale.rules`) maps them onto a mesh, so one model serves every parallel strategy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+LOGICAL_AXES = ("vocab", "embed", "heads", "head_dim", "mlp", "length", "layers")
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """Sizes and switches of the Transformer."""
+
+    vocab: int = 128
+    embed: int = 64
+    heads: int = 4
+    head_dim: int = 16
+    mlp: int = 256
+    layers: int = 2
+    max_len: int = 32
+    dropout: float = 0.1
+    scan_layers: bool = False
+    remat: bool = False
+    compute_dtype: str = "float32"
+
+    def replace(self, **changes: object) -> Config:
+        """A copy with some fields changed."""
+        return dataclasses.replace(self, **changes)
+
+
+TINY = Config()
+"""The chapters' model: about 0.12 M parameters, a forward pass in milliseconds on a CPU."""
+
+BENCH = Config(vocab=8192, embed=512, heads=8, head_dim=64, mlp=2048, layers=8, max_len=256)
+"""A realistic size for the benchmarks: about 33 M parameters."""
+
+
+def _param(
+    rngs: nnx.Rngs, shape: tuple[int, ...], axes: tuple[str, ...], fan_in: int | None
+) -> nnx.Param:
+    """A parameter with logical axis names: normal(0, 1/fan_in) values, or ones if no fan_in."""
+    if fan_in is None:
+        value = jnp.ones(shape, jnp.float32)
+    else:
+        value = jax.random.normal(rngs.params(), shape, jnp.float32) / math.sqrt(fan_in)
+    return nnx.Param(value, out_sharding=axes)
+
+
+class RMSNorm(nnx.Module):
+    """Root-mean-square normalisation with a learned scale."""
+
+    def __init__(self, cfg: Config, *, rngs: nnx.Rngs) -> None:
+        self.scale = _param(rngs, (cfg.embed,), ("embed",), None)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        normed = x32 * jax.lax.rsqrt(jnp.mean(x32**2, axis=-1, keepdims=True) + 1e-6)
+        return (normed * self.scale[...]).astype(x.dtype)
+
+
+class Attention(nnx.Module):
+    """Causal multi-head self-attention; heads split the projections (column/row parallel)."""
+
+    def __init__(self, cfg: Config, *, rngs: nnx.Rngs) -> None:
+        qkv = (cfg.embed, cfg.heads, cfg.head_dim)
+        names = ("embed", "heads", "head_dim")
+        self.query = _param(rngs, qkv, names, cfg.embed)
+        self.key = _param(rngs, qkv, names, cfg.embed)
+        self.value = _param(rngs, qkv, names, cfg.embed)
+        self.out = _param(
+            rngs, (cfg.heads, cfg.head_dim, cfg.embed), ("heads", "head_dim", "embed"),
+            cfg.heads * cfg.head_dim,
+        )  # fmt: skip
+        self.head_dim = cfg.head_dim
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        dtype = x.dtype
+        q = jnp.einsum("ble,ehd->blhd", x, self.query[...].astype(dtype))
+        k = jnp.einsum("ble,ehd->blhd", x, self.key[...].astype(dtype))
+        v = jnp.einsum("ble,ehd->blhd", x, self.value[...].astype(dtype))
+        scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(self.head_dim)
+        length = x.shape[1]
+        causal = jnp.tril(jnp.ones((length, length), dtype=bool))
+        scores = jnp.where(causal, scores.astype(jnp.float32), -1e30)
+        weights = jax.nn.softmax(scores, axis=-1).astype(dtype)
+        context = jnp.einsum("bhqk,bkhd->bqhd", weights, v)
+        return jnp.einsum("blhd,hde->ble", context, self.out[...].astype(dtype))
+
+
+class MLP(nnx.Module):
+    """Two-layer GELU feed-forward block; `mlp` splits it column- then row-parallel."""
+
+    def __init__(self, cfg: Config, *, rngs: nnx.Rngs) -> None:
+        self.up = _param(rngs, (cfg.embed, cfg.mlp), ("embed", "mlp"), cfg.embed)
+        self.down = _param(rngs, (cfg.mlp, cfg.embed), ("mlp", "embed"), cfg.mlp)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        hidden = jax.nn.gelu(x @ self.up[...].astype(x.dtype))
+        return hidden @ self.down[...].astype(x.dtype)
+
+
+class Block(nnx.Module):
+    """One pre-norm Transformer layer: attention and MLP, each with dropout on its output."""
+
+    def __init__(self, cfg: Config, *, rngs: nnx.Rngs) -> None:
+        self.attention_norm = RMSNorm(cfg, rngs=rngs)
+        self.attention = Attention(cfg, rngs=rngs)
+        self.mlp_norm = RMSNorm(cfg, rngs=rngs)
+        self.mlp = MLP(cfg, rngs=rngs)
+        self.dropout = nnx.Dropout(cfg.dropout)
+
+    def __call__(self, x: jax.Array, dropout_key: jax.Array | None) -> jax.Array:
+        keys = (None, None) if dropout_key is None else tuple(jax.random.split(dropout_key))
+        x = x + self._drop(self.attention(self.attention_norm(x)), keys[0])
+        return x + self._drop(self.mlp(self.mlp_norm(x)), keys[1])
+
+    def _drop(self, x: jax.Array, key: jax.Array | None) -> jax.Array:
+        return self.dropout(x, deterministic=key is None, rngs=key)
+
+
+def _stacked_blocks(cfg: Config, rngs: nnx.Rngs) -> Block:
+    """`cfg.layers` blocks whose parameters are stacked on a leading `layers` axis."""
+
+    @nnx.split_rngs(splits=cfg.layers)
+    @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+    def create(rngs: nnx.Rngs) -> Block:
+        return Block(cfg, rngs=rngs)
+
+    return create(rngs)
+
+
+class Transformer(nnx.Module):
+    """Decoder-only language model: token and position embeddings, blocks, norm, output head."""
+
+    def __init__(self, cfg: Config, *, rngs: nnx.Rngs) -> None:
+        self.cfg = cfg
+        self.embed = _param(rngs, (cfg.vocab, cfg.embed), ("vocab", "embed"), 1)
+        self.position = _param(rngs, (cfg.max_len, cfg.embed), ("length", "embed"), 1)
+        if cfg.scan_layers:
+            self.blocks = _stacked_blocks(cfg, rngs)
+        else:
+            self.blocks = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.layers)])
+        self.final_norm = RMSNorm(cfg, rngs=rngs)
+        self.head = _param(rngs, (cfg.embed, cfg.vocab), ("embed", "vocab"), cfg.embed)
+
+    def __call__(self, tokens: jax.Array, *, dropout_key: jax.Array | None = None) -> jax.Array:
+        """Logits (batch, length, vocab) for integer tokens (batch, length); dropout if keyed."""
+        cfg = self.cfg
+        if tokens.shape[1] > cfg.max_len:
+            raise ValueError(f"sequence length {tokens.shape[1]} exceeds max_len {cfg.max_len}")
+        dtype = jnp.dtype(cfg.compute_dtype)
+        x = (self.embed[...][tokens] + self.position[...][: tokens.shape[1]]).astype(dtype)
+        keys = None if dropout_key is None else jax.random.split(dropout_key, cfg.layers)
+        x = self._run_blocks(x, keys)
+        x = self.final_norm(x)
+        return jnp.einsum("ble,ev->blv", x, self.head[...].astype(dtype)).astype(jnp.float32)
+
+    def _run_blocks(self, x: jax.Array, keys: jax.Array | None) -> jax.Array:
+        apply: Callable[[Block, jax.Array, jax.Array | None], jax.Array] = (
+            nnx.remat(lambda block, h, key: block(h, key))
+            if self.cfg.remat
+            else (lambda block, h, key: block(h, key))
+        )
+        if not self.cfg.scan_layers:
+            for i, block in enumerate(self.blocks):
+                x = apply(block, x, None if keys is None else keys[i])
+            return x
+
+        @nnx.scan(in_axes=(0, nnx.Carry, 0 if keys is not None else None), out_axes=nnx.Carry)
+        def run(block: Block, h: jax.Array, key: jax.Array | None) -> jax.Array:
+            return apply(block, h, key)
+
+        return run(self.blocks, x, keys)
+
+
+def create(cfg: Config, seed: int = 0) -> Transformer:
+    """A Transformer with weights drawn from `seed` (unsharded: see nnxscale.init for shards)."""
+    with nnx.use_eager_sharding(False):
+        return Transformer(cfg, rngs=nnx.Rngs(params=seed))
+
+
+def count_params(model: nnx.Module) -> int:
+    """Number of parameter elements."""
+    return sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))

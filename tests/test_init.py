@@ -1,0 +1,110 @@
+"""Sharded initialisation: straight into shards, the same weights on any mesh, optimizer alike."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from nnxscale.hlo import largest_array
+from nnxscale.init import abstract, compile_init, init_sharded
+from nnxscale.memory import CompiledMemory, device_bytes
+from nnxscale.mesh import make_mesh
+from nnxscale.model import TINY, create
+from nnxscale.rules import FSDP, RULE_SETS
+
+# Each sharded init compiles for about 3 s (XLA's CPU backend, one random-normal call site per
+# parameter), so the matrix is: FSDP on 1, 2, 4 and 8 devices; every rule set on 8.
+MESHES = [("FSDP", 1, 1), ("FSDP", 2, 1), ("FSDP", 4, 1), ("FSDP", 8, 1), ("DP", 8, 1),
+          ("TP", 8, 2), ("FSDP+TP", 8, 2)]  # fmt: skip
+
+
+def leaves(model: nnx.Module) -> list[np.ndarray]:
+    return [np.asarray(x) for x in jax.tree.leaves(nnx.state(model, nnx.Param))]
+
+
+@pytest.fixture(scope="module")
+def reference() -> list[np.ndarray]:
+    return leaves(create(TINY))
+
+
+def submesh(devices: int, model: int):
+    """A (data, model) mesh over the first `devices` devices."""
+    shape = (devices // model, model)
+    return make_mesh(shape, ("data", "model"), explicit=False, devices=jax.devices()[:devices])
+
+
+def test_abstract_models_hold_no_memory() -> None:
+    state = nnx.state(abstract(lambda: create(TINY)))
+    assert all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(state))
+
+
+@pytest.mark.parametrize(("name", "devices", "model_axis"), MESHES)
+def test_same_weights_on_every_mesh(reference, name: str, devices: int, model_axis: int) -> None:
+    mesh = submesh(devices, model_axis)
+    model, _ = init_sharded(lambda: create(TINY), RULE_SETS[name], mesh)
+    for want, got in zip(reference, leaves(model), strict=True):
+        np.testing.assert_array_equal(got, want)  # bit for bit
+
+
+def test_shards_and_bytes_are_what_the_layout_says() -> None:
+    model, layout = init_sharded(lambda: create(TINY), FSDP, submesh(8, 1))
+    state = nnx.state(model, nnx.Param)
+    arrays = jax.tree.leaves(state)
+    for placement, array in zip(layout.placements, arrays, strict=True):
+        assert {s.data.shape for s in array.addressable_shards} == {placement.shard_shape}
+        assert array.sharding.spec == placement.spec
+    assert set(device_bytes(state).values()) == {layout.bytes_per_device()}
+    assert layout.bytes_per_device() * 8 == layout.total_bytes()
+
+
+def test_no_device_materialises_a_whole_parameter() -> None:
+    compiled, _, layout = compile_init(lambda: create(TINY), FSDP, submesh(8, 1))
+    biggest, _ = largest_array(compiled)
+    largest_param = max(p.total_bytes for p in layout.placements)
+    largest_shard = max(p.bytes_per_device for p in layout.placements)
+    assert biggest <= 2 * largest_shard < largest_param  # 2x: threefry's counter pairs
+    assert CompiledMemory.of(compiled).output >= layout.bytes_per_device()
+
+
+def test_partitionable_random_numbers_are_forced(reference) -> None:
+    with jax.threefry_partitionable(False):
+        model, _ = init_sharded(lambda: create(TINY), FSDP, submesh(8, 1))
+        legacy = leaves(create(TINY))  # what the legacy generator draws, unsharded
+    for want, got in zip(reference, leaves(model), strict=True):
+        np.testing.assert_array_equal(got, want)
+    assert not np.array_equal(legacy[0], reference[0])  # the setting changes the values
+
+
+def test_optimizer_state_is_sharded_like_the_parameters() -> None:
+    def both():
+        model = create(TINY)
+        return model, nnx.Optimizer(model, optax.adamw(1e-3), wrt=nnx.Param)
+
+    (model, optimizer), _ = init_sharded(both, FSDP, submesh(8, 1))
+    params = nnx.to_flat_state(nnx.state(model, nnx.Param))
+    for moment in ("mu", "nu"):
+        moments = nnx.to_flat_state(nnx.state(optimizer)["opt_state"][0][moment])
+        assert len(moments) == len(params)
+        for (path, p), (mpath, m) in zip(params, moments, strict=True):
+            assert path == mpath
+            assert m.sharding == p.sharding and m.shape == p.shape, path
+
+
+@pytest.mark.parametrize("devices", [1, 2, 4, 8])
+def test_dropout_masks_do_not_depend_on_the_mesh(devices: int) -> None:
+    mesh = submesh(devices, 1)
+    shape = (8, 16, 64)
+
+    @jax.jit
+    def mask(key):
+        x = nnx.Dropout(0.5)(jnp.ones(shape), rngs=key)
+        return jax.lax.with_sharding_constraint(x != 0, NamedSharding(mesh, P("data")))
+
+    single = nnx.Dropout(0.5)(jnp.ones(shape), rngs=jax.random.key(3)) != 0
+    np.testing.assert_array_equal(mask(jax.random.key(3)), single)
