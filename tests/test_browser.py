@@ -81,6 +81,13 @@ def open_page(browser, url: str):
     page.on("response", lambda r: problems.append(f"HTTP {r.status}: {r.url}")
             if r.status >= 400 else None)  # fmt: skip
     page.goto(url, wait_until="networkidle")
+    # Scroll through the page: treescope renders its outputs when they come into view.
+    page.evaluate(
+        "async () => { for (let y = 0; y < document.body.scrollHeight; y += 600) {"
+        " window.scrollTo(0, y); await new Promise(r => setTimeout(r, 20)); }"
+        " window.scrollTo(0, 0); }"
+    )
+    page.wait_for_load_state("networkidle")
     return page, problems
 
 

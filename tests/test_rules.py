@@ -13,7 +13,18 @@ from nnxscale.init import abstract
 from nnxscale.layout import largest_divisible_dim, resolve
 from nnxscale.mesh import make_mesh
 from nnxscale.model import TINY, Config, create
-from nnxscale.rules import DP, FSDP, FSDP_TP, RULE_SETS, TP, RuleError, Rules, auto_fsdp
+from nnxscale.rules import (
+    DP,
+    FSDP,
+    FSDP_TP,
+    RULE_SETS,
+    TP,
+    RuleError,
+    Rules,
+    auto_fsdp,
+    compare,
+    mesh_shape,
+)
 
 GOLDEN = Path(__file__).parent / "golden"
 MESHES = {"DP": (8, 1), "FSDP": (8, 1), "TP": (4, 2), "FSDP+TP": (4, 2)}
@@ -140,3 +151,18 @@ def test_markdown_table_lists_every_array() -> None:
     table = layout._repr_markdown_()
     assert table.count("\n| ") == len(layout.placements) + 1
     assert "12.5%" in table.splitlines()[0]
+
+
+def test_mesh_shape_per_rule_set() -> None:
+    assert mesh_shape(DP, 8) == mesh_shape(FSDP, 8) == (8, 1)
+    assert mesh_shape(TP, 8) == mesh_shape(FSDP_TP, 8) == (4, 2)
+    assert mesh_shape(TP, 16, model=4) == (4, 4)
+    with pytest.raises(RuleError, match="does not divide 6 devices"):
+        mesh_shape(TP, 6, model=4)
+
+
+def test_compare_lists_candidates_in_order() -> None:
+    text = compare(DP, FSDP_TP)
+    assert "| mlp | replicated | model then data |" in text
+    assert "| batch | data | data |" in text
+    assert "(no rule)" in compare(DP, Rules("x", {"foo": ()}))

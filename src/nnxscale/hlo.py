@@ -8,6 +8,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from nnxscale.comm import KINDS, ring_bytes
+from nnxscale.display import table
 
 SPECIAL_BITS = {"pred": 8, "token": 0}
 _ARRAY = re.compile(r"\b([a-z]+[0-9a-z]*)\[([^\]]*)\]")
@@ -182,9 +183,10 @@ class CollectiveReport:
         return {k: (self.count(k), self.bytes(k)) for k in KINDS if self.count(k)}
 
     def _repr_markdown_(self) -> str:
-        rows = ["| collective | executions per call | bytes sent per device |", "|---|--:|--:|"]
-        rows += [f"| {k} | {n} | {b:,.0f} |" for k, (n, b) in self.summary().items()]
-        return "\n".join(rows) if self.collectives else "no collectives"
+        if not self.collectives:
+            return "no collectives"
+        rows = [[k, n, b] for k, (n, b) in self.summary().items()]
+        return str(table(["collective", "executions per call", "bytes sent per device"], rows))
 
     def __repr__(self) -> str:
         parts = ", ".join(f"{k}: {n} x, {b:,.0f} B" for k, (n, b) in self.summary().items())

@@ -11,6 +11,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from nnxscale.display import table
 from nnxscale.rules import RuleError, Rules
 
 
@@ -147,19 +148,18 @@ class Layout:
         raise KeyError(f"no array at {path!r}; paths look like {self.placements[0].path!r}")
 
     def _repr_markdown_(self) -> str:
-        header = (
-            f"**{self.rules.name}** on mesh {dict(self.mesh.shape)}: "
-            f"{self.bytes_per_device():,} of {self.total_bytes():,} bytes per device "
-            f"({self.bytes_per_device() / self.total_bytes():.1%})\n\n"
-            "| path | shape | logical axes | mesh spec | per device | bytes/device | note |\n"
-            "|---|---|---|---|---|--:|---|\n"
+        share = self.bytes_per_device() / self.total_bytes()
+        title = (
+            f"**{self.rules.name}** on mesh {dict(self.mesh.shape)}: {self.bytes_per_device():,}"
+            f" of {self.total_bytes():,} bytes per device ({share:.1%})"
         )
+        headers = ["path", "shape", "logical axes", "mesh spec", "per device", "bytes/device"]
         rows = [
-            f"| {p.path} | {p.shape} | {p.logical or '-'} | {tuple(p.spec)} | {p.shard_shape} "
-            f"| {p.bytes_per_device:,} | {p.reason} |"
+            [p.path, p.shape, p.logical or "-", tuple(p.spec), p.shard_shape,
+             p.bytes_per_device, p.reason]
             for p in self.placements
-        ]
-        return header + "\n".join(rows)
+        ]  # fmt: skip
+        return str(table([*headers, "note"], rows, title))
 
 
 def resolve(tree: Any, rules: Rules, mesh: Mesh) -> Layout:

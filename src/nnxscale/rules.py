@@ -13,6 +13,8 @@ import re
 from collections.abc import Mapping
 from typing import TypeAlias
 
+from nnxscale.display import Markdown, table
+
 MeshAxes: TypeAlias = str | tuple[str, ...]
 """One candidate: a mesh axis, or several mesh axes used together for one dimension."""
 
@@ -106,6 +108,32 @@ FSDP_TP = Rules(
 does not divide them."""
 
 RULE_SETS = {rules.name: rules for rules in (DP, FSDP, TP, FSDP_TP)}
+
+
+def mesh_shape(rules: Rules, devices: int, model: int = 2) -> tuple[int, int]:
+    """The (data, model) mesh a rule set is meant for: `model` devices on `model` if it uses it."""
+    if "model" not in rules.mesh_axes():
+        return devices, 1
+    if devices % model:
+        raise RuleError(
+            f"rule set {rules.name!r} puts {model} devices on 'model', which does not divide "
+            f"{devices} devices; pick a model size that divides {devices}."
+        )
+    return devices // model, model
+
+
+def compare(*rule_sets: Rules) -> Markdown:
+    """Markdown table: for each logical axis, the candidates of each rule set, in order."""
+    names = sorted({name for rules in rule_sets for name in rules.logical})
+
+    def cell(rules: Rules, name: str) -> str:
+        if name not in rules.logical:
+            return "(no rule)"
+        options = ["+".join(_as_tuple(c)) for c in rules.logical[name]]
+        return " then ".join(options) if options else "replicated"
+
+    rows = [[name, *(cell(rules, name) for rules in rule_sets)] for name in names]
+    return table(["logical axis", *(rules.name for rules in rule_sets)], rows)
 
 
 def auto_fsdp(axis: str = "data") -> Rules:
