@@ -91,3 +91,18 @@ def test_inline_scripts_registered_twice_are_kept_once() -> None:
 def test_mathjax_ships_with_the_book_environment() -> None:
     source = ext._mathjax_dir()
     assert source is not None and (source / "tex-mml-chtml.js").stat().st_size > 100_000
+
+
+def test_treescope_outputs_are_inserted_only_once_parsed() -> None:
+    from docutils import nodes
+    from docutils.utils import new_document
+
+    doctree = new_document("chapter")
+    treescope = "<treescope-container></treescope-container><treescope-run-here><script>x</script></treescope-run-here>"  # noqa: E501
+    doctree += nodes.raw("", treescope, format="html")
+    doctree += nodes.raw("", "<b>plain</b>", format="html")
+    ext.defer_treescope(None, doctree, "chapter")
+    first, second = doctree.children
+    assert first.astext().startswith('<div class="nnxscale-deferred"><template>' + treescope)
+    assert "document.importNode" in first.astext()
+    assert second.astext() == "<b>plain</b>"

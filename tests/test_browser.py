@@ -135,6 +135,22 @@ def test_chapter_buttons_point_at_committed_files(browser, site: str, chapter: P
     assert outputs, "the downloadable notebook carries the build's outputs"
 
 
+@pytest.mark.parametrize("chapter", CHAPTERS, ids=[c.stem for c in CHAPTERS])
+def test_interactive_outputs_render(browser, site: str, chapter: Path) -> None:
+    """Treescope outputs (chapter 2) render their content once scrolled into view."""
+    page, problems = open_page(browser, f"{site}/chapters/{chapter.stem}.html")
+    page.wait_for_timeout(500)
+    contents = page.evaluate(
+        "Array.from(document.querySelectorAll('treescope-container'))"
+        ".map(c => c.shadowRoot ? c.shadowRoot.textContent : '')"
+    )
+    leftovers = page.evaluate("document.querySelectorAll('.nnxscale-deferred').length")
+    page.close()
+    assert problems == []
+    assert leftovers == 0
+    assert all(text and "(Loading...)" not in text for text in contents), contents
+
+
 def test_search_finds_a_chapter(browser, site: str) -> None:
     page, problems = open_page(browser, f"{site}/search.html?q=collectives")
     page.wait_for_selector("#search-results li a", timeout=20_000)

@@ -166,3 +166,9 @@ def test_compare_lists_candidates_in_order() -> None:
     assert "| mlp | replicated | model then data |" in text
     assert "| batch | data | data |" in text
     assert "(no rule)" in compare(DP, Rules("x", {"foo": ()}))
+
+
+def test_random_key_state_is_placed_like_any_scalar() -> None:
+    layout = resolve(nnx.state(nnx.Rngs(dropout=0)), FSDP, mesh_for((8, 1)))
+    assert layout["dropout/key"].dtype == "key<fry>"
+    assert layout["dropout/key"].bytes_per_device == 8 and tuple(layout["dropout/key"].spec) == ()

@@ -1,5 +1,6 @@
 """Sphinx extension of the book: chapters re-executed when stale, a software/devices table,
-MathJax served from the book itself, and no duplicated inline scripts.
+MathJax served from the book itself, no duplicated inline scripts, and treescope outputs that
+load whatever the page's parsing speed.
 
 Sphinx re-reads (so myst-nb re-executes) only documents whose source changed. The chapters'
 outputs also depend on the library under src/, the pinned packages and the device count, so
@@ -107,7 +108,31 @@ def dedupe_scripts(app: Sphinx, pagename: str, templatename: str, context: dict,
     context["script_files"][:] = unique
 
 
+TREESCOPE_MARK = "<treescope-run-here>"
+DEFERRED = (
+    '<div class="nnxscale-deferred"><template>{html}</template><script>'
+    "(()=>{{const box=document.currentScript.parentNode;"
+    'box.replaceWith(document.importNode(box.querySelector("template").content,true));}})();'
+    "</script></div>"
+)
+
+
+def defer_treescope(app: Sphinx, doctree: nodes.document, docname: str) -> None:
+    """Insert each treescope output only once it is fully parsed.
+
+    Treescope's `<treescope-run-here>` runs its script when the element connects; while a page
+    is being parsed it can connect before that script's text has arrived (on a busy machine
+    the parser yields mid-script), and the output then stays blank with a page error. Inside a
+    `<template>` the output is parsed inert, and a loader inserts it whole.
+    """
+    for node in doctree.findall(nodes.raw):
+        text = node.astext()
+        if "html" in node.get("format", "").split() and TREESCOPE_MARK in text:
+            node.replace_self(nodes.raw("", DEFERRED.format(html=text), format="html"))
+
+
 def setup(app: Sphinx) -> dict[str, object]:
+    app.connect("doctree-resolved", defer_treescope)
     app.connect("env-get-outdated", outdated_chapters)
     app.connect("config-inited", use_local_mathjax)
     app.connect("build-finished", copy_mathjax)

@@ -182,7 +182,7 @@ def resolve(tree: Any, rules: Rules, mesh: Mesh) -> Layout:
     for key_path, leaf in flat:
         path = jax.tree_util.keystr(key_path, simple=True, separator="/")
         shape = tuple(int(d) for d in np.shape(leaf))
-        dtype = np.dtype(leaf.dtype)
+        dtype = leaf.dtype  # a NumPy dtype, or a JAX key type (which has an itemsize too)
         logical = _logical_names(leaf, path, rules)
         chosen, reason = _place(path, shape, logical, rules, mesh)
         spec = PartitionSpec(*(_spec_entry(axes) for axes in chosen))
@@ -190,7 +190,7 @@ def resolve(tree: Any, rules: Rules, mesh: Mesh) -> Layout:
         shard = tuple(s // k for s, k in zip(shape, splits, strict=True))
         placements.append(
             Placement(
-                path, shape, dtype.name, logical, spec, shard,
+                path, shape, str(dtype), logical, spec, shard,
                 math.prod(shard) * dtype.itemsize, math.prod(shape) * dtype.itemsize, reason,
             )
         )  # fmt: skip

@@ -1,0 +1,124 @@
+"""Training under every rule set computes what one device computes."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from nnxscale.data import Batches, arithmetic_text, encode
+from nnxscale.memory import CompiledMemory, device_bytes
+from nnxscale.mesh import make_mesh
+from nnxscale.model import TINY, create
+from nnxscale.rules import DP, FSDP, FSDP_TP, TP, mesh_shape
+from nnxscale.train import Trainer, TrainState, loss_and_grads
+
+STEPS = 4
+BATCHES = Batches(encode(arithmetic_text(2000)), batch_size=16, length=32)
+
+
+def trainer(rules, devices: int = 8, **options) -> Trainer:
+    shape = mesh_shape(rules, devices) if devices > 1 else (1, 1)
+    mesh = make_mesh(shape, ("data", "model"), explicit=False, devices=jax.devices()[:devices])
+    cfg = options.pop("cfg", TINY)
+    return Trainer.create(TrainState(cfg, optax.adam(3e-3)), rules, mesh, **options)
+
+
+@pytest.fixture(scope="module")
+def single() -> tuple[list[float], Trainer]:
+    run = trainer(DP, devices=1)
+    return run.train(BATCHES, STEPS), run
+
+
+def weights(run: Trainer) -> list[np.ndarray]:
+    return [np.asarray(x) for x in jax.tree.leaves(nnx.state(run.model(), nnx.Param))]
+
+
+@pytest.mark.parametrize("rules", [DP, FSDP, TP, FSDP_TP], ids=lambda r: r.name)
+def test_every_strategy_matches_one_device(single, rules) -> None:
+    losses, reference = single
+    run = trainer(rules)
+    got = run.train(BATCHES, STEPS)
+    np.testing.assert_allclose(got, losses, rtol=0, atol=1e-5)  # f32, a few ulps of drift
+    for a, b in zip(weights(run), weights(reference), strict=True):
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-5)
+    assert run.step_count() == STEPS
+
+
+def test_loss_falls(single) -> None:
+    losses, _ = single
+    assert losses[-1] < losses[0] - 1.0
+
+
+def test_fsdp_state_is_split_over_all_devices() -> None:
+    run = trainer(FSDP)
+    held = device_bytes(run.state)
+    assert set(held.values()) == {run.layout.bytes_per_device()}
+    replicated = run.layout.replicated_bytes()
+    assert run.layout.bytes_per_device() * 8 == run.layout.total_bytes() + 7 * replicated
+
+
+def test_the_step_donates_the_state() -> None:
+    run = trainer(FSDP)
+    compiled = run.compile(BATCHES(0, run.batch))
+    assert CompiledMemory.of(compiled).alias == run.layout.bytes_per_device()
+    assert run.compile(BATCHES(1, run.batch)) is compiled  # compiled once, then reused
+
+
+def test_accumulating_micro_batches_equals_the_whole_batch() -> None:
+    model = create(TINY)
+    tokens = BATCHES.rows(0)
+    loss, grads = loss_and_grads(model, tokens, None)
+    micro_loss, micro_grads = loss_and_grads(model, tokens, None, micro_batches=4)
+    np.testing.assert_allclose(micro_loss, loss, rtol=1e-6)
+    for a, b in zip(jax.tree.leaves(micro_grads), jax.tree.leaves(grads), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-7)  # f32 sums in another order
+    with pytest.raises(ValueError, match="cannot be cut into 3 micro-batches"):
+        loss_and_grads(model, tokens, None, micro_batches=3)
+
+
+def test_micro_batches_too_small_for_the_data_axis() -> None:
+    run = trainer(FSDP, micro_batches=4)  # 16 rows: micro-batches of 4 rows on 8 devices
+    with pytest.raises(ValueError, match="each of 4 micro-batches of 4 rows cannot be split"):
+        run.train(BATCHES, 1)
+
+
+def test_accumulated_training_follows_whole_batch_training() -> None:
+    batches = Batches(BATCHES.tokens, batch_size=32, length=32)
+    whole = trainer(FSDP, dropout=False)
+    micro = trainer(FSDP, dropout=False, micro_batches=4)
+    np.testing.assert_allclose(micro.train(batches, 3), whole.train(batches, 3), atol=1e-5)
+
+
+def test_ema_starts_at_the_parameters_and_follows_them() -> None:
+    run = trainer(FSDP, dropout=False)
+    state = nnx.merge(run.graphdef, run.state)
+    before = {k: np.asarray(v[...]) for k, v in state.ema.items()}
+    params = dict(
+        ("/".join(map(str, p)), np.asarray(v[...]))
+        for p, v in nnx.to_flat_state(nnx.state(state.model, nnx.Param))
+    )
+    assert before.keys() == params.keys()
+    for key, value in before.items():
+        np.testing.assert_array_equal(value, params[key])  # not zeros
+    run.train(BATCHES, 1)
+    after = nnx.merge(run.graphdef, run.state)
+    new = dict(
+        ("/".join(map(str, p)), np.asarray(v[...]))
+        for p, v in nnx.to_flat_state(nnx.state(after.model, nnx.Param))
+    )
+    for key, value in after.ema.items():
+        expected = 0.9 * before[key] + 0.1 * new[key]
+        np.testing.assert_allclose(np.asarray(value[...]), expected, rtol=1e-6, atol=1e-7)
+    tokens = BATCHES(100, run.batch)
+    assert float(run.evaluate_ema(run.state, tokens)) != float(run.evaluate(run.state, tokens))
+
+
+def test_mixed_precision_keeps_float32_master_weights() -> None:
+    run = trainer(FSDP, cfg=TINY.replace(compute_dtype="bfloat16"))
+    losses = run.train(BATCHES, 2)
+    assert np.isfinite(losses).all()
+    for leaf in jax.tree.leaves(nnx.state(nnx.merge(run.graphdef, run.state), nnx.Param)):
+        assert leaf.dtype == np.float32
