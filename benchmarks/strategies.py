@@ -1,0 +1,107 @@
+"""Memory, communication and step time of every strategy on 1, 2, 4 and 8 emulated devices.
+
+Run from the repository root: python benchmarks/strategies.py [--devices 1 2 4 8] [--steps 10]
+Each device count runs in its own process (the count is fixed when JAX starts). The model is
+larger than the chapters' (about 3.4 M parameters). On a CPU the emulated devices share its
+cores, so step times show overheads, not speed-ups; bytes are what the strategies change.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+from nnxscale.model import Config
+
+MODEL = Config(vocab=1024, embed=256, heads=8, head_dim=32, mlp=1024, layers=4, max_len=128)
+BATCH, LENGTH = 16, 128
+
+
+def worker(steps: int) -> None:
+    """Measure every strategy on this process's devices; print one JSON line per strategy."""
+    from nnxscale.devices import emulate_devices
+
+    emulate_devices()
+    import jax
+    import optax
+
+    from nnxscale.data import Batches, arithmetic_text, encode
+    from nnxscale.hlo import collectives
+    from nnxscale.memory import CompiledMemory
+    from nnxscale.mesh import make_mesh
+    from nnxscale.rules import RULE_SETS, mesh_shape
+    from nnxscale.train import Trainer, TrainState
+
+    n = jax.device_count()
+    batches = Batches(encode(arithmetic_text(20_000)), BATCH, LENGTH)
+    for name, rules in RULE_SETS.items():
+        if n == 1 and "model" in rules.mesh_axes():
+            continue  # TP needs 2 devices on `model`
+        shape = mesh_shape(rules, n) if n > 1 else (1, 1)
+        mesh = make_mesh(shape, ("data", "model"), explicit=False)
+        trainer = Trainer.create(TrainState(MODEL, optax.adamw(1e-3)), rules, mesh)
+        start = time.perf_counter()
+        compiled = trainer.compile(batches(0, trainer.batch))
+        compile_s = time.perf_counter() - start
+        trainer.train(batches, 2)  # warm-up
+        times = []
+        for step in range(steps):
+            tokens = batches(100 + step, trainer.batch)
+            jax.block_until_ready(tokens)
+            start = time.perf_counter()
+            trainer.state, loss = compiled(trainer.state, tokens)
+            jax.block_until_ready(loss)
+            times.append(time.perf_counter() - start)
+        memory = CompiledMemory.of(compiled)
+        report = collectives(compiled)
+        print(json.dumps({
+            "devices": n, "strategy": name, "mesh": str(dict(mesh.shape)),
+            "state_bytes": trainer.layout.bytes_per_device(),
+            "total_state_bytes": trainer.layout.total_bytes(), "temp_bytes": memory.temp,
+            "comm_bytes": report.bytes(), "collectives": report.count(),
+            "step_ms": 1000 * statistics.median(times), "compile_s": compile_s,
+        }), flush=True)  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--devices", type=int, nargs="+", default=[1, 2, 4, 8])
+    parser.add_argument("--steps", type=int, default=10, help="timed steps per strategy")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        worker(args.steps)
+        return
+    rows = []
+    for n in args.devices:
+        env = {**os.environ, "NNXSCALE_DEVICES": str(n)}
+        command = [sys.executable, __file__, "--worker", "--steps", str(args.steps)]
+        out = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
+        if out.returncode:
+            sys.exit(f"worker with {n} devices failed:\n{out.stderr[-3000:]}")
+        rows += [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    params = rows[0]["total_state_bytes"]
+    print(f"model: {MODEL}\nbatch {BATCH} x {LENGTH} tokens; train state {params / 2**20:.1f} MiB")
+    print(f"cores: {os.cpu_count()}; median of {args.steps} steps\n")
+    header = (
+        f"{'N':>2} {'strategy':8} {'mesh':26} {'state MiB/dev':>13} {'share':>6} "
+        f"{'temp MiB':>9} {'comm MiB/step':>13} {'collectives':>11} {'step ms':>8} {'compile s':>9}"
+    )
+    print(header)
+    print("-" * len(header))
+    for r in rows:
+        print(
+            f"{r['devices']:>2} {r['strategy']:8} {r['mesh']:26} {r['state_bytes'] / 2**20:13.2f} "
+            f"{r['state_bytes'] / r['total_state_bytes']:6.3f} {r['temp_bytes'] / 2**20:9.1f} "
+            f"{r['comm_bytes'] / 2**20:13.2f} {r['collectives']:11} {r['step_ms']:8.1f} "
+            f"{r['compile_s']:9.1f}"
+        )
+
+
+if __name__ == "__main__":
+    main()
