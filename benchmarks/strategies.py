@@ -33,8 +33,8 @@ def worker(steps: int) -> None:
     from nnxscale.data import Batches, arithmetic_text, encode
     from nnxscale.hlo import collectives
     from nnxscale.memory import CompiledMemory
-    from nnxscale.mesh import make_mesh
-    from nnxscale.rules import RULE_SETS, mesh_shape
+    from nnxscale.mesh import strategy_mesh
+    from nnxscale.rules import RULE_SETS
     from nnxscale.train import Trainer, TrainState
 
     n = jax.device_count()
@@ -42,8 +42,7 @@ def worker(steps: int) -> None:
     for name, rules in RULE_SETS.items():
         if n == 1 and "model" in rules.mesh_axes():
             continue  # TP needs 2 devices on `model`
-        shape = mesh_shape(rules, n) if n > 1 else (1, 1)
-        mesh = make_mesh(shape, ("data", "model"), explicit=False)
+        mesh = strategy_mesh(rules)
         trainer = Trainer.create(TrainState(MODEL, optax.adamw(1e-3)), rules, mesh)
         start = time.perf_counter()
         compiled = trainer.compile(batches(0, trainer.batch))

@@ -14,14 +14,13 @@ from jax.sharding import PartitionSpec as P
 from nnxscale.hlo import largest_array
 from nnxscale.init import abstract, compile_init, init_sharded
 from nnxscale.memory import CompiledMemory, device_bytes
-from nnxscale.mesh import make_mesh
+from nnxscale.mesh import strategy_mesh
 from nnxscale.model import TINY, create
 from nnxscale.rules import FSDP, RULE_SETS
 
 # Each sharded init compiles for about 3 s (XLA's CPU backend, one random-normal call site per
 # parameter), so the matrix is: FSDP on 1, 2, 4 and 8 devices; every rule set on 8.
-MESHES = [("FSDP", 1, 1), ("FSDP", 2, 1), ("FSDP", 4, 1), ("FSDP", 8, 1), ("DP", 8, 1),
-          ("TP", 8, 2), ("FSDP+TP", 8, 2)]  # fmt: skip
+MESHES = [("FSDP", 1), ("FSDP", 2), ("FSDP", 4), ("FSDP", 8), ("DP", 8), ("TP", 8), ("FSDP+TP", 8)]
 
 
 def leaves(model: nnx.Module) -> list[np.ndarray]:
@@ -33,27 +32,21 @@ def reference() -> list[np.ndarray]:
     return leaves(create(TINY))
 
 
-def submesh(devices: int, model: int):
-    """A (data, model) mesh over the first `devices` devices."""
-    shape = (devices // model, model)
-    return make_mesh(shape, ("data", "model"), explicit=False, devices=jax.devices()[:devices])
-
-
 def test_abstract_models_hold_no_memory() -> None:
     state = nnx.state(abstract(lambda: create(TINY)))
     assert all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(state))
 
 
-@pytest.mark.parametrize(("name", "devices", "model_axis"), MESHES)
-def test_same_weights_on_every_mesh(reference, name: str, devices: int, model_axis: int) -> None:
-    mesh = submesh(devices, model_axis)
+@pytest.mark.parametrize(("name", "devices"), MESHES)
+def test_same_weights_on_every_mesh(reference, name: str, devices: int) -> None:
+    mesh = strategy_mesh(RULE_SETS[name], devices)
     model, _ = init_sharded(lambda: create(TINY), RULE_SETS[name], mesh)
     for want, got in zip(reference, leaves(model), strict=True):
         np.testing.assert_array_equal(got, want)  # bit for bit
 
 
 def test_shards_and_bytes_are_what_the_layout_says() -> None:
-    model, layout = init_sharded(lambda: create(TINY), FSDP, submesh(8, 1))
+    model, layout = init_sharded(lambda: create(TINY), FSDP, strategy_mesh(FSDP))
     state = nnx.state(model, nnx.Param)
     arrays = jax.tree.leaves(state)
     for placement, array in zip(layout.placements, arrays, strict=True):
@@ -64,7 +57,7 @@ def test_shards_and_bytes_are_what_the_layout_says() -> None:
 
 
 def test_no_device_materialises_a_whole_parameter() -> None:
-    compiled, _, layout = compile_init(lambda: create(TINY), FSDP, submesh(8, 1))
+    compiled, _, layout = compile_init(lambda: create(TINY), FSDP, strategy_mesh(FSDP))
     biggest, _ = largest_array(compiled)
     largest_param = max(p.total_bytes for p in layout.placements)
     largest_shard = max(p.bytes_per_device for p in layout.placements)
@@ -74,7 +67,7 @@ def test_no_device_materialises_a_whole_parameter() -> None:
 
 def test_partitionable_random_numbers_are_forced(reference) -> None:
     with jax.threefry_partitionable(False):
-        model, _ = init_sharded(lambda: create(TINY), FSDP, submesh(8, 1))
+        model, _ = init_sharded(lambda: create(TINY), FSDP, strategy_mesh(FSDP))
         legacy = leaves(create(TINY))  # what the legacy generator draws, unsharded
     for want, got in zip(reference, leaves(model), strict=True):
         np.testing.assert_array_equal(got, want)
@@ -86,7 +79,7 @@ def test_optimizer_state_is_sharded_like_the_parameters() -> None:
         model = create(TINY)
         return model, nnx.Optimizer(model, optax.adamw(1e-3), wrt=nnx.Param)
 
-    (model, optimizer), _ = init_sharded(both, FSDP, submesh(8, 1))
+    (model, optimizer), _ = init_sharded(both, FSDP, strategy_mesh(FSDP))
     params = nnx.to_flat_state(nnx.state(model, nnx.Param))
     for moment in ("mu", "nu"):
         moments = nnx.to_flat_state(nnx.state(optimizer)["opt_state"][0][moment])
@@ -98,7 +91,7 @@ def test_optimizer_state_is_sharded_like_the_parameters() -> None:
 
 @pytest.mark.parametrize("devices", [1, 2, 4, 8])
 def test_dropout_masks_do_not_depend_on_the_mesh(devices: int) -> None:
-    mesh = submesh(devices, 1)
+    mesh = strategy_mesh(FSDP, devices)
     shape = (8, 16, 64)
 
     @jax.jit

@@ -6,7 +6,8 @@ import jax
 import pytest
 from jax.sharding import AxisType
 
-from nnxscale.mesh import grid_shape, make_mesh
+from nnxscale.mesh import grid_shape, make_mesh, mesh_shape, strategy_mesh
+from nnxscale.rules import DP, FSDP, FSDP_TP, TP, RuleError
 
 
 @pytest.mark.parametrize(("n", "shape"), [(4, (2, 2)), (8, (4, 2)), (16, (8, 2)), (2, (1, 2))])
@@ -45,3 +46,18 @@ def test_a_mesh_that_does_not_fit_names_the_fix() -> None:
 def test_malformed_meshes(shape, names, message) -> None:
     with pytest.raises(ValueError, match=message):
         make_mesh(shape, names)
+
+
+def test_mesh_shape_per_rule_set() -> None:
+    assert mesh_shape(DP, 8) == mesh_shape(FSDP, 8) == (8, 1)
+    assert mesh_shape(TP, 8) == mesh_shape(FSDP_TP, 8) == (4, 2)
+    assert mesh_shape(TP, 16, model=4) == (4, 4)
+    with pytest.raises(RuleError, match="does not divide 6 devices"):
+        mesh_shape(TP, 6, model=4)
+
+
+def test_strategy_mesh() -> None:
+    assert strategy_mesh(TP).shape == {"data": 4, "model": 2}
+    assert strategy_mesh(FSDP, 4).devices.size == 4
+    assert strategy_mesh(TP, 1).shape == {"data": 1, "model": 1}
+    assert strategy_mesh(DP).axis_types == (AxisType.Auto, AxisType.Auto)

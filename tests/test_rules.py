@@ -23,7 +23,6 @@ from nnxscale.rules import (
     Rules,
     auto_fsdp,
     compare,
-    mesh_shape,
 )
 
 GOLDEN = Path(__file__).parent / "golden"
@@ -151,14 +150,6 @@ def test_markdown_table_lists_every_array() -> None:
     table = layout._repr_markdown_()
     assert table.count("\n| ") == len(layout.placements) + 1
     assert "12.5%" in table.splitlines()[0]
-
-
-def test_mesh_shape_per_rule_set() -> None:
-    assert mesh_shape(DP, 8) == mesh_shape(FSDP, 8) == (8, 1)
-    assert mesh_shape(TP, 8) == mesh_shape(FSDP_TP, 8) == (4, 2)
-    assert mesh_shape(TP, 16, model=4) == (4, 4)
-    with pytest.raises(RuleError, match="does not divide 6 devices"):
-        mesh_shape(TP, 6, model=4)
 
 
 def test_compare_lists_candidates_in_order() -> None:

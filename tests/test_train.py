@@ -10,20 +10,20 @@ from flax import nnx
 
 from nnxscale.data import Batches, arithmetic_text, encode
 from nnxscale.memory import CompiledMemory, device_bytes
-from nnxscale.mesh import make_mesh
+from nnxscale.mesh import strategy_mesh
 from nnxscale.model import TINY, create
-from nnxscale.rules import DP, FSDP, FSDP_TP, TP, mesh_shape
-from nnxscale.train import Trainer, TrainState, loss_and_grads
+from nnxscale.rules import DP, FSDP, FSDP_TP, TP
+from nnxscale.train import Trainer, TrainState, loss_and_grads, params_by_path
 
 STEPS = 4
 BATCHES = Batches(encode(arithmetic_text(2000)), batch_size=16, length=32)
 
 
 def trainer(rules, devices: int = 8, **options) -> Trainer:
-    shape = mesh_shape(rules, devices) if devices > 1 else (1, 1)
-    mesh = make_mesh(shape, ("data", "model"), explicit=False, devices=jax.devices()[:devices])
     cfg = options.pop("cfg", TINY)
-    return Trainer.create(TrainState(cfg, optax.adam(3e-3)), rules, mesh, **options)
+    return Trainer.create(
+        TrainState(cfg, optax.adam(3e-3)), rules, strategy_mesh(rules, devices), **options
+    )
 
 
 @pytest.fixture(scope="module")
@@ -96,21 +96,15 @@ def test_ema_starts_at_the_parameters_and_follows_them() -> None:
     run = trainer(FSDP, dropout=False)
     state = nnx.merge(run.graphdef, run.state)
     before = {k: np.asarray(v[...]) for k, v in state.ema.items()}
-    params = dict(
-        ("/".join(map(str, p)), np.asarray(v[...]))
-        for p, v in nnx.to_flat_state(nnx.state(state.model, nnx.Param))
-    )
+    params = params_by_path(state.model)
     assert before.keys() == params.keys()
     for key, value in before.items():
-        np.testing.assert_array_equal(value, params[key])  # not zeros
+        np.testing.assert_array_equal(value, params[key][...])  # not zeros
     run.train(BATCHES, 1)
     after = nnx.merge(run.graphdef, run.state)
-    new = dict(
-        ("/".join(map(str, p)), np.asarray(v[...]))
-        for p, v in nnx.to_flat_state(nnx.state(after.model, nnx.Param))
-    )
+    new = params_by_path(after.model)
     for key, value in after.ema.items():
-        expected = 0.9 * before[key] + 0.1 * new[key]
+        expected = 0.9 * before[key] + 0.1 * np.asarray(new[key][...])
         np.testing.assert_allclose(np.asarray(value[...]), expected, rtol=1e-6, atol=1e-7)
     tokens = BATCHES(100, run.batch)
     assert float(run.evaluate_ema(run.state, tokens)) != float(run.evaluate(run.state, tokens))

@@ -8,6 +8,8 @@ from collections.abc import Sequence
 import jax
 from jax.sharding import AxisType, Mesh
 
+from nnxscale.rules import RuleError, Rules
+
 
 def grid_shape(devices: int, inner: int = 2) -> tuple[int, int]:
     """A 2-D mesh shape (devices // inner, inner) for any device count `inner` divides."""
@@ -44,3 +46,25 @@ def make_mesh(
         )
     kind = AxisType.Explicit if explicit else AxisType.Auto
     return jax.make_mesh(shape, names, axis_types=(kind,) * len(shape), devices=pool)
+
+
+def mesh_shape(rules: Rules, devices: int, model: int = 2) -> tuple[int, int]:
+    """The (data, model) mesh a rule set is meant for: `model` devices on `model` if it uses it."""
+    if "model" not in rules.mesh_axes():
+        return devices, 1
+    if devices % model:
+        raise RuleError(
+            f"rule set {rules.name!r} puts {model} devices on 'model', which does not divide "
+            f"{devices} devices; pick a model size that divides {devices}."
+        )
+    return devices // model, model
+
+
+def strategy_mesh(rules: Rules, devices: int | None = None, model: int = 2) -> Mesh:
+    """The (data, model) mesh, with Auto axes, that a rule set is meant for.
+
+    It spans the first `devices` devices (all by default); on one device it is (1, 1).
+    """
+    pool = jax.devices()[: devices or jax.device_count()]
+    shape = mesh_shape(rules, len(pool), model) if len(pool) > 1 else (1, 1)
+    return make_mesh(shape, ("data", "model"), explicit=False, devices=pool)

@@ -110,18 +110,6 @@ does not divide them."""
 RULE_SETS = {rules.name: rules for rules in (DP, FSDP, TP, FSDP_TP)}
 
 
-def mesh_shape(rules: Rules, devices: int, model: int = 2) -> tuple[int, int]:
-    """The (data, model) mesh a rule set is meant for: `model` devices on `model` if it uses it."""
-    if "model" not in rules.mesh_axes():
-        return devices, 1
-    if devices % model:
-        raise RuleError(
-            f"rule set {rules.name!r} puts {model} devices on 'model', which does not divide "
-            f"{devices} devices; pick a model size that divides {devices}."
-        )
-    return devices // model, model
-
-
 def compare(*rule_sets: Rules) -> Markdown:
     """Markdown table: for each logical axis, the candidates of each rule set, in order."""
     names = sorted({name for rules in rule_sets for name in rules.logical})

@@ -30,11 +30,12 @@ class EMA(nnx.Variable):
     """An exponential moving average of a parameter, annotated with the parameter's names."""
 
 
-def _flat_params(model: nnx.Module) -> list[tuple[str, nnx.Variable]]:
-    return [
-        ("/".join(str(k) for k in path), variable)
+def params_by_path(model: nnx.Module) -> dict[str, nnx.Variable]:
+    """The model's parameters keyed by their `/`-joined paths (the EMA's keys)."""
+    return {
+        "/".join(str(k) for k in path): variable
         for path, variable in nnx.to_flat_state(nnx.state(model, nnx.Param))
-    ]
+    }
 
 
 class TrainState(nnx.Module):
@@ -50,7 +51,7 @@ class TrainState(nnx.Module):
             self.ema = nnx.Dict(
                 {
                     path: EMA(jnp.array(p[...], copy=True), out_sharding=p.out_sharding)
-                    for path, p in _flat_params(self.model)
+                    for path, p in params_by_path(self.model).items()
                 }
             )
             self.ema_decay = ema_decay
@@ -59,7 +60,7 @@ class TrainState(nnx.Module):
     def ema_model(self) -> Transformer:
         """A copy of the model holding the EMA weights."""
         model = nnx.clone(self.model)
-        for path, param in _flat_params(model):
+        for path, param in params_by_path(model).items():
             param[...] = self.ema[path][...]
         return model
 
@@ -113,7 +114,7 @@ def train_step(
     loss, grads = loss_and_grads(ts.model, batch, key, micro_batches)
     ts.optimizer.update(ts.model, grads)
     decay = ts.ema_decay
-    for path, param in _flat_params(ts.model):
+    for path, param in params_by_path(ts.model).items():
         ts.ema[path][...] = decay * ts.ema[path][...] + (1 - decay) * param[...]
     return nnx.state(ts), loss
 
