@@ -7,7 +7,7 @@ from nnxscale.mesh import grid_shape
 
 
 def test_table_aligns_numbers_and_escapes_pipes() -> None:
-    text = table(["name", "bytes", "ratio"], [["a|b", 1234567, 0.125], ["c", 5, 2.0]], "T")
+    text = table(["name", "bytes", "ratio"], [["a|b", 1234567, 0.125], ["c", 5.0, 2.0]], "T")
     assert text.splitlines() == [
         "T",
         "",
@@ -17,6 +17,7 @@ def test_table_aligns_numbers_and_escapes_pipes() -> None:
         "| c | 5 | 2 |",
     ]
     assert text._repr_markdown_() == str(text)
+    assert "| 819,399 |" in table(["sent"], [[819399.0]])
 
 
 def test_source_is_the_real_source() -> None:

@@ -21,7 +21,9 @@ def table(headers: Sequence[str], rows: Iterable[Sequence[object]], title: str =
     def cell(value: object) -> str:
         if isinstance(value, bool) or not isinstance(value, int | float):
             return str(value).replace("|", "\\|")
-        return f"{value:,}" if isinstance(value, int) else f"{value:,.4g}"
+        if isinstance(value, int) or abs(value) >= 1000:  # counts and byte totals: exact digits
+            return f"{value:,.0f}"
+        return f"{value:,.4g}"
 
     lines = [
         "| " + " | ".join(headers) + " |",
