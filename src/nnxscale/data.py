@@ -9,6 +9,7 @@ exactly the batches the uninterrupted run saw, and a process can build just its 
 
 from __future__ import annotations
 
+import hashlib
 import math
 
 import jax
@@ -50,6 +51,18 @@ class Batches:
         self.length = length
         self.seed = seed
 
+    def describe(self) -> dict[str, int | str]:
+        """What fixes every batch: corpus fingerprint, seed and shapes (recorded in checkpoints)."""
+        return {
+            "corpus_tokens": len(self.tokens),
+            "corpus_sha256": hashlib.sha256(
+                np.ascontiguousarray(self.tokens).tobytes()
+            ).hexdigest(),
+            "seed": self.seed,
+            "batch_size": self.batch_size,
+            "length": self.length,
+        }
+
     def rows(self, step: int, start: int = 0, stop: int | None = None) -> np.ndarray:
         """Rows `start:stop` of batch `step`, built without building the others."""
         stop = self.batch_size if stop is None else stop
@@ -69,6 +82,11 @@ class Batches:
         start, stop = min(s for s, _ in starts), max(e for _, e in starts)
         local = self.rows(step, start, stop)
         return jax.make_array_from_process_local_data(sharding, local, shape)
+
+
+def book_batches(batch_size: int, length: int = 32) -> Batches:
+    """The chapters' training data: windows of 4,000 generated lines of arithmetic."""
+    return Batches(encode(arithmetic_text(4000)), batch_size=batch_size, length=length)
 
 
 def check_batch_splits(batch_size: int, sharding: NamedSharding, what: str = "a batch") -> None:

@@ -65,6 +65,11 @@ class TrainState(nnx.Module):
         return model
 
 
+def adamw(learning_rate: float = 3e-3, weight_decay: float = 1e-4) -> optax.GradientTransformation:
+    """The optimizer the chapters train with: AdamW with a small weight decay."""
+    return optax.adamw(learning_rate, weight_decay=weight_decay)
+
+
 def next_token_loss(
     model: Transformer, tokens: jax.Array, dropout_key: jax.Array | None
 ) -> jax.Array:
@@ -154,6 +159,16 @@ class Trainer:
     ) -> Trainer:  # fmt: skip
         """Lay `state` out by `rules` on `mesh` (copying it there) and jit its steps."""
         graphdef, values = nnx.split(state)
+        return cls.from_split(
+            graphdef, values, rules, mesh, micro_batches=micro_batches, dropout=dropout
+        )
+
+    @classmethod
+    def from_split(
+        cls, graphdef: nnx.GraphDef, values: nnx.State, rules: Rules, mesh: Mesh, *,
+        micro_batches: int = 1, dropout: bool = True,
+    ) -> Trainer:  # fmt: skip
+        """A trainer for a split train state: placed by `rules` on `mesh` (no copy if it is)."""
         layout = resolve(values, rules, mesh)
         shardings = layout.shardings()
         batch = batch_sharding(rules, mesh)

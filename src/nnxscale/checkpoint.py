@@ -1,0 +1,382 @@
+"""Checkpoints of the whole train state with Orbax, restorable onto any mesh, rule set or count.
+
+A checkpoint is one step directory written by Orbax's `CheckpointManager`: `state/` holds
+every array of the train state (weights, AdamW moments, EMA, RNG key and counters), each
+device writing the shards it holds, and `meta/` a JSON record of what produced it (model
+configuration, rule set, mesh, data position, versions). Saves are asynchronous: `save`
+returns once the arrays are copied off the devices, and Orbax writes them in a background
+thread into a temporary directory that it renames only when complete, so a crash mid-write
+leaves the previous checkpoints intact and the partial one ignored.
+
+Restoring builds its target from the abstract train state laid out by any rule set on any
+mesh: concrete `NamedSharding`s, no memory. Orbax then reads each device's shard of each
+array straight from the files, so a checkpoint saved under FSDP on 8 devices restores under
+TP on a 4x2 mesh, or on 4 devices in another process, and no device holds a whole array.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import re
+import time
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+from flax import nnx
+from jax.sharding import Mesh
+
+from nnxscale.data import Batches
+from nnxscale.environment import versions
+from nnxscale.init import abstract
+from nnxscale.layout import resolve
+from nnxscale.model import Config
+from nnxscale.rules import Rules
+from nnxscale.train import Trainer, TrainState
+
+PARTIAL = ".orbax-checkpoint-tmp"
+"""Suffix of the directory Orbax writes a step into before renaming it: an unfinished save."""
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be restored as asked; the message names the problem and the fix."""
+
+
+class NoCheckpointError(CheckpointError, FileNotFoundError):
+    """No complete checkpoint where one was expected."""
+
+
+class CheckpointMismatchError(CheckpointError):
+    """A checkpoint whose arrays, or data, differ from what the restore asks for."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Record:
+    """What a checkpoint says about the run that saved it (its `meta/` item)."""
+
+    step: int
+    config: dict[str, Any]
+    ema_decay: float
+    rules: dict[str, Any]
+    mesh: dict[str, int]
+    processes: int
+    data: dict[str, Any] | None
+    saved_at: float
+    versions: dict[str, str]
+
+    @property
+    def devices(self) -> int:
+        """Devices of the mesh the checkpoint was saved from."""
+        return int(np.prod(list(self.mesh.values())))
+
+    def model_config(self) -> Config:
+        """The model configuration, as a `Config`."""
+        return Config(**self.config)
+
+
+def record_of(trainer: Trainer, data: Batches | None) -> Record:
+    """The record of `trainer`'s current state, and of where in `data` it stands."""
+    state = nnx.merge(trainer.graphdef, trainer.state)
+    step = trainer.step_count()
+    rules = dataclasses.asdict(trainer.layout.rules)
+    position = None if data is None else {**data.describe(), "next_batch": step}
+    installed = versions(("jax", "flax", "orbax-checkpoint"))
+    return Record(
+        step=step,
+        config=dataclasses.asdict(state.model.cfg),
+        ema_decay=float(state.ema_decay),
+        rules=json.loads(json.dumps(rules)),  # tuples to lists, as the JSON will hold them
+        mesh={str(k): int(v) for k, v in trainer.layout.mesh.shape.items()},
+        processes=jax.process_count(),
+        data=position,
+        saved_at=time.time(),
+        versions=installed,
+    )
+
+
+def _leaves(tree: Any) -> list[tuple[str, Any]]:
+    """(`/`-joined path, array or abstract array) of every leaf; NNX variables give their value."""
+    flat, _ = jax.tree_util.tree_flatten_with_path(
+        tree, is_leaf=lambda x: isinstance(x, nnx.Variable) or hasattr(x, "dtype")
+    )
+    return [
+        (
+            jax.tree_util.keystr(key_path, simple=True, separator="/"),
+            leaf.get_value() if isinstance(leaf, nnx.Variable) else leaf,
+        )
+        for key_path, leaf in flat
+    ]
+
+
+def _stored(shape: tuple[int, ...], dtype: Any) -> tuple[tuple[int, ...], str]:
+    """Shape and dtype as Orbax stores an array: random keys as their uint32 key data."""
+    if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+        data = jax.eval_shape(jax.random.key_data, jax.ShapeDtypeStruct(shape, dtype))
+        return tuple(data.shape), str(data.dtype)
+    return tuple(shape), str(np.dtype(dtype))
+
+
+def array_index(tree: Any) -> dict[str, tuple[tuple[int, ...], str]]:
+    """Path -> (shape, dtype) as Orbax stores them, for a state or an abstract state."""
+    return {path: _stored(tuple(leaf.shape), leaf.dtype) for path, leaf in _leaves(tree)}
+
+
+def _listing(items: list[str], limit: int = 6) -> str:
+    """The first `limit` items, how many more, and the path prefix they all share."""
+    shown = ", ".join(items[:limit])
+    if len(items) <= limit:
+        return shown
+    parts = [item.split("/") for item in items]
+    common = [names[0] for names in zip(*parts, strict=False) if len(set(names)) == 1]
+    under = f", all under {'/'.join(common)}" if common else ""
+    return f"{shown} and {len(items) - limit} more{under}"
+
+
+def check_matches(saved: dict[str, Any], wanted: dict[str, Any], where: str) -> None:
+    """Raise CheckpointMismatchError naming every path that is missing, extra or different."""
+    missing = sorted(set(wanted) - set(saved))
+    extra = sorted(set(saved) - set(wanted))
+    different = sorted(
+        f"{p} (saved {saved[p][0]} {saved[p][1]}, wanted {wanted[p][0]} {wanted[p][1]})"
+        for p in set(saved) & set(wanted)
+        if saved[p] != wanted[p]
+    )
+    if not (missing or extra or different):
+        return
+    problems = []
+    if missing:
+        problems.append(f"{len(missing)} arrays the target has and {where} lacks: "
+                        f"{_listing(missing)}")  # fmt: skip
+    if extra:
+        problems.append(f"{len(extra)} arrays {where} has and the target lacks: "
+                        f"{_listing(extra)}")  # fmt: skip
+    if different:
+        problems.append(f"{len(different)} arrays of another shape or dtype: "
+                        f"{_listing(different, 3)}")  # fmt: skip
+    raise CheckpointMismatchError(
+        f"{where} does not match the state to restore into. " + "; ".join(problems) + ". "
+        "Restore into a state built with the model configuration, optimizer and code that "
+        "saved it (its record holds the configuration), or convert the checkpoint."
+    )
+
+
+def check_data(record: Record, data: Batches) -> None:
+    """Raise CheckpointMismatchError if `data` is not the data the checkpoint was trained on."""
+    if record.data is None:
+        return
+    saved = {k: v for k, v in record.data.items() if k != "next_batch"}
+    now = data.describe()
+    changed = sorted(k for k in saved if saved[k] != now.get(k))
+    if changed:
+        detail = ", ".join(f"{k} saved {saved[k]!r}, now {now.get(k)!r}" for k in changed)
+        raise CheckpointMismatchError(
+            f"the checkpoint of step {record.step} was trained on other data ({detail}): a "
+            "resumed run would see different batches from the uninterrupted one. Resume with "
+            "the same corpus, seed, batch size and length, or start a new run."
+        )
+
+
+def restore_target(values: nnx.State, shardings: Any) -> nnx.State:
+    """Shapes, dtypes and concrete shardings to restore into: an abstract state, no memory."""
+    return jax.tree.map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), values, shardings
+    )
+
+
+def checksums(tree: Any) -> dict[str, str]:
+    """Path -> SHA-256 (first 16 hex digits) of each array's shape, dtype and bytes."""
+    sums = {}
+    for path, leaf in _leaves(tree):
+        if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+            leaf = jax.random.key_data(leaf)
+        host = np.asarray(jax.device_get(leaf))
+        digest = hashlib.sha256(f"{host.shape}{host.dtype}".encode())
+        digest.update(np.ascontiguousarray(host).tobytes())
+        sums[path] = digest.hexdigest()[:16]
+    return sums
+
+
+FILE_ROLES = (
+    (r"^state/ocdbt\.process_\d+/d/", "array data: zstd-compressed chunks this process wrote"),
+    (r"^state/ocdbt\.process_\d+/manifest", "this process's key-value store: its manifest"),
+    (r"^state/d/", "global index merged from the processes' stores"),
+    (r"^state/manifest\.ocdbt$", "global index: its manifest"),
+    (r"^state/_METADATA$", "tree structure, shapes and dtypes"),
+    (r"^state/_sharding$", "the shardings at save time"),
+    (r"^state/array_metadatas/", "chunk shapes, per process"),
+    (r"^meta/metadata$", "the run's record (JSON)"),
+    (r"commit_success\.txt$", "written last: the item is complete"),
+    (r"^_CHECKPOINT_METADATA$", "step metadata: item names, time"),
+)
+"""What each file of an Orbax step directory holds: (regular expression, description)."""
+
+
+def file_role(path: str) -> str:
+    """What a file of an Orbax step directory holds, from its path."""
+    for pattern, role in FILE_ROLES:
+        if re.search(pattern, path):
+            return role
+    return "other"
+
+
+class Checkpoints:
+    """A directory of train-state checkpoints, managed by Orbax: async saves, the last k kept."""
+
+    def __init__(
+        self, directory: str | Path, *, keep: int = 3, asynchronous: bool = True,
+        create: bool = True,
+    ) -> None:  # fmt: skip
+        self.directory = Path(directory).absolute()
+        if not create and not self.directory.is_dir():
+            raise NoCheckpointError(
+                f"no checkpoint directory at {self.directory}: check the path, or save "
+                "checkpoints there first (Checkpoints(directory).save(trainer))."
+            )
+        self.discarded = self.partial() if create else []
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=keep, enable_async_checkpointing=asynchronous, create=create,
+            cleanup_tmp_directories=create,
+        )  # fmt: skip
+        handlers = {"state": ocp.StandardCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()}
+        self.manager = ocp.CheckpointManager(
+            self.directory, options=options, item_handlers=handlers
+        )
+        self.blocked: dict[int, float] = {}
+
+    def save(self, trainer: Trainer, data: Batches | None = None) -> float:
+        """Start saving `trainer`'s state at its step; returns the seconds training waited."""
+        record = record_of(trainer, data)
+        start = time.perf_counter()
+        self.manager.save(
+            record.step,
+            args=ocp.args.Composite(
+                state=ocp.args.StandardSave(trainer.state),
+                meta=ocp.args.JsonSave(dataclasses.asdict(record)),
+            ),
+        )
+        self.blocked[record.step] = time.perf_counter() - start
+        return self.blocked[record.step]
+
+    def wait(self) -> float:
+        """Block until every started save is on disk; returns the seconds waited."""
+        start = time.perf_counter()
+        self.manager.wait_until_finished()
+        return time.perf_counter() - start
+
+    def steps(self) -> list[int]:
+        """Steps of the complete checkpoints, oldest first (unfinished saves are not steps)."""
+        self.manager.reload()
+        return sorted(self.manager.all_steps())
+
+    def partial(self) -> list[str]:
+        """Names of unfinished saves in the directory, such as one cut short by a crash.
+
+        Restores ignore them. Opening the directory to save (`create=True`) lists them in
+        `discarded`, and Orbax deletes them before the next save begins.
+        """
+        return sorted(p.name for p in self.directory.glob(f"*{PARTIAL}"))
+
+    def _step(self, step: int | None) -> int:
+        steps = self.steps()
+        if step is None and steps:
+            return steps[-1]
+        if step in steps:
+            return step
+        contents = sorted(p.name for p in self.directory.iterdir())
+        found = f"it holds {_listing(contents)}" if contents else "it is empty"
+        wanted = "complete checkpoint" if step is None else f"checkpoint of step {step}"
+        unfinished = " (unfinished saves are ignored)" if self.partial() else ""
+        raise NoCheckpointError(
+            f"{self.directory} holds no {wanted}: {found}{unfinished}. Complete checkpoints: "
+            f"{steps or 'none'}. Check the path, or save a checkpoint first."
+        )
+
+    def record(self, step: int | None = None) -> Record:
+        """The record of the checkpoint of `step` (default: the latest)."""
+        step = self._step(step)
+        meta = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
+        return Record(**meta["meta"])
+
+    def _stored_tree(self, step: int | None) -> dict[str, Any]:
+        """Path -> Orbax's metadata of each saved array (each NNX variable is {"value": ...})."""
+        tree = self.manager.item_metadata(self._step(step))["state"].tree
+        return {path.removesuffix("/value"): leaf for path, leaf in _leaves(tree)}
+
+    def saved_arrays(self, step: int | None = None) -> dict[str, tuple[tuple[int, ...], str]]:
+        """Path -> (shape, dtype) of every array in the checkpoint of `step`, from its metadata."""
+        return {
+            path: _stored(tuple(meta.shape), meta.dtype)
+            for path, meta in self._stored_tree(step).items()
+        }
+
+    def chunks(self, step: int | None = None) -> dict[str, tuple[int, ...]]:
+        """Path -> shape of the chunks each array was written in (one per shard held)."""
+        return {
+            path: tuple(meta.storage.chunk_shape) for path, meta in self._stored_tree(step).items()
+        }
+
+    def restore_state(self, target: nnx.State, step: int | None = None) -> nnx.State:
+        """The saved state, read into `target`'s shapes and shardings (see `restore_target`)."""
+        step = self._step(step)
+        check_matches(self.saved_arrays(step), array_index(target), f"checkpoint {step}")
+        restored = self.manager.restore(
+            step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target))
+        )
+        return restored["state"]
+
+    def restore(
+        self, tx: optax.GradientTransformation, rules: Rules, mesh: Mesh, *,
+        step: int | None = None, data: Batches | None = None, micro_batches: int = 1,
+        dropout: bool = True,
+    ) -> Trainer:  # fmt: skip
+        """A trainer resumed from the checkpoint of `step`, laid out by `rules` on `mesh`.
+
+        The model configuration and EMA decay come from the checkpoint's record; `tx` must
+        have the structure of the optimizer that saved it. With `data`, check that it is the
+        data the run was trained on, so training continues with the very next batch.
+        """
+        record = self.record(step)
+        if data is not None:
+            check_data(record, data)
+        cfg = record.model_config()
+        graphdef, values = nnx.split(
+            abstract(lambda: TrainState(cfg, tx, ema_decay=record.ema_decay))
+        )
+        layout = resolve(values, rules, mesh)
+        state = self.restore_state(restore_target(values, layout.shardings()), record.step)
+        return Trainer.from_split(
+            graphdef, state, rules, mesh, micro_batches=micro_batches, dropout=dropout
+        )
+
+    def restore_into(
+        self, trainer: Trainer, step: int | None = None, data: Batches | None = None
+    ) -> Trainer:
+        """Put the checkpoint of `step` into `trainer`'s state, in its layout; reuses its step."""
+        record = self.record(step)
+        if data is not None:
+            check_data(record, data)
+        target = restore_target(trainer.state, trainer.layout.shardings())
+        trainer.state = self.restore_state(target, record.step)
+        return trainer
+
+    def files(self, step: int | None = None) -> list[tuple[str, int, str]]:
+        """(path in the step directory, bytes, what it holds) of every file of a checkpoint."""
+        root = self.directory / str(self._step(step))
+        found = [(str(p.relative_to(root)), p.stat().st_size) for p in root.rglob("*")
+                 if p.is_file()]  # fmt: skip
+        return [(path, size, file_role(path)) for path, size in sorted(found)]
+
+    def close(self) -> None:
+        """Finish pending saves and release Orbax's threads."""
+        self.manager.close()
+
+    def __enter__(self) -> Checkpoints:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

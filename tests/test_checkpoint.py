@@ -1,0 +1,234 @@
+"""Checkpoints restore bit for bit onto any mesh, rule set, device count and process."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jax
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from nnxscale import cli
+from nnxscale.checkpoint import (
+    PARTIAL,
+    CheckpointMismatchError,
+    Checkpoints,
+    NoCheckpointError,
+    check_matches,
+    checksums,
+    file_role,
+    restore_target,
+)
+from nnxscale.data import Batches, book_batches
+from nnxscale.init import abstract
+from nnxscale.layout import resolve
+from nnxscale.mesh import strategy_mesh
+from nnxscale.model import TINY, Config
+from nnxscale.rules import DP, FSDP, TP
+from nnxscale.train import Trainer, TrainState, adamw
+
+BATCHES = book_batches(batch_size=16)
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory) -> dict:
+    """8 FSDP steps on 8 devices, saved (asynchronously) after steps 2, 4, 6 and 8, keeping 2."""
+    directory = tmp_path_factory.mktemp("run")
+    trainer = Trainer.create(TrainState(TINY, adamw()), FSDP, strategy_mesh(FSDP))
+    checkpoints = Checkpoints(directory, keep=2)
+    losses, sums = [], {}
+    for _ in range(4):
+        losses += trainer.train(BATCHES, 2)
+        sums[trainer.step_count()] = checksums(trainer.state)
+        checkpoints.save(trainer, BATCHES)  # training goes on while Orbax writes
+    checkpoints.wait()
+    return {"dir": directory, "trainer": trainer, "losses": losses, "sums": sums,
+            "checkpoints": checkpoints}  # fmt: skip
+
+
+def test_keeps_the_last_k(run) -> None:
+    assert run["checkpoints"].steps() == [6, 8]
+    assert sorted(p.name for p in run["dir"].iterdir()) == ["6", "8"]
+
+
+def test_record_describes_the_run(run) -> None:
+    record = run["checkpoints"].record(6)
+    assert record.step == 6
+    assert record.model_config() == TINY
+    assert record.rules["name"] == "FSDP" and record.mesh == {"data": 8, "model": 1}
+    assert record.devices == 8 and record.processes == 1 and record.ema_decay == 0.9
+    assert record.data == {**BATCHES.describe(), "next_batch": 6}
+    assert set(record.versions) >= {"jax", "flax", "orbax-checkpoint"}
+
+
+def test_restores_bit_for_bit_on_the_same_mesh(run) -> None:
+    for step in (6, 8):
+        restored = run["checkpoints"].restore(adamw(), FSDP, strategy_mesh(FSDP), step=step)
+        assert checksums(restored.state) == run["sums"][step]
+        assert restored.step_count() == step
+
+
+def test_restores_onto_tp_on_a_2d_mesh(run) -> None:
+    mesh = strategy_mesh(TP)
+    restored = run["checkpoints"].restore(adamw(), TP, mesh)
+    assert checksums(restored.state) == run["sums"][8]
+    embed = restored.state["model"]["embed"][...]
+    assert embed.sharding.mesh.shape == mesh.shape
+    assert tuple(embed.sharding.spec) == ("model", None)
+    assert restored.state["rngs"]["dropout"]["key"][...].dtype == jax.random.key(0).dtype
+
+
+def test_restores_onto_dp_on_one_device(run) -> None:
+    restored = run["checkpoints"].restore(adamw(), DP, strategy_mesh(DP, 1))
+    assert checksums(restored.state) == run["sums"][8]
+    assert len(restored.state["model"]["embed"][...].devices()) == 1
+
+
+def test_restores_in_another_process_with_half_the_devices(run, tmp_path) -> None:
+    report = tmp_path / "report.json"
+    out = cli.run("restore", str(run["dir"]), "--rules", "FSDP", "--report", str(report),
+                  devices=4)  # fmt: skip
+    got = json.loads(report.read_text())
+    assert got["devices"] == 4 and got["step"] == 8
+    assert got["checksums"] == run["sums"][8]
+    assert "mesh {'data': 4, 'model': 1}" in out
+
+
+def test_resumed_run_equals_the_uninterrupted_run(run) -> None:
+    resumed = run["checkpoints"].restore(adamw(), FSDP, strategy_mesh(FSDP), step=6, data=BATCHES)
+    assert resumed.train(BATCHES, 2) == run["losses"][6:8]  # exactly
+    assert checksums(resumed.state) == run["sums"][8]
+
+
+def test_restore_into_reuses_a_trainer(run) -> None:
+    trainer = run["checkpoints"].restore(adamw(), FSDP, strategy_mesh(FSDP), step=8)
+    trainer.train(BATCHES, 1)
+    compiled = trainer.compiled
+    run["checkpoints"].restore_into(trainer, step=6, data=BATCHES)
+    assert trainer.step_count() == 6
+    assert trainer.train(BATCHES, 2) == run["losses"][6:8]
+    assert trainer.compiled is compiled
+
+
+def test_chunks_are_the_shards_that_were_held(run) -> None:
+    chunks = run["checkpoints"].chunks()
+    layout = run["trainer"].layout
+    assert chunks == {p.path: p.shard_shape for p in layout.placements if p.shape} | {
+        p.path: (2,) if "key" in p.dtype else () for p in layout.placements if not p.shape
+    }
+
+
+def test_files_are_described(run) -> None:
+    files = run["checkpoints"].files()
+    assert all(role != "other" for _, _, role in files), files
+    data = sum(size for path, size, _ in files if path.startswith("state/ocdbt.process_0/d/"))
+    total = run["trainer"].layout.total_bytes()
+    assert 0.5 * total < data <= total  # zstd-compressed float32: somewhat smaller
+
+
+def test_other_optimizer_names_the_mismatching_arrays(run) -> None:
+    with pytest.raises(CheckpointMismatchError) as error:
+        run["checkpoints"].restore(optax.sgd(0.1), FSDP, strategy_mesh(FSDP))
+    message = str(error.value)
+    assert "41 arrays checkpoint 8 has and the target lacks" in message
+    assert "optimizer/opt_state/0/count" in message
+    assert "and 35 more, all under optimizer/opt_state/0." in message
+
+
+def fsdp_target(cfg: Config) -> nnx.State:
+    """An abstract train state of `cfg`, laid out by FSDP: what a restore reads into."""
+    _, values = nnx.split(abstract(lambda: TrainState(cfg, adamw())))
+    return restore_target(values, resolve(values, FSDP, strategy_mesh(FSDP)).shardings())
+
+
+def test_other_model_names_the_mismatching_arrays(run) -> None:
+    with pytest.raises(CheckpointMismatchError, match="does not match") as error:
+        run["checkpoints"].restore_state(fsdp_target(TINY.replace(layers=3)))
+    # a block has 8 arrays, each in the model, the EMA and AdamW's two moments
+    assert "32 arrays the target has and checkpoint 8 lacks: ema/blocks/2/attention/key" in str(
+        error.value
+    )
+    with pytest.raises(CheckpointMismatchError) as error:
+        run["checkpoints"].restore_state(fsdp_target(TINY.replace(vocab=64)))
+    message = str(error.value)  # the embedding and the head, 4 times each
+    assert (
+        "8 arrays of another shape or dtype: ema/embed (saved (128, 64) float32, wanted "
+        "(64, 64) float32)" in message
+    )
+
+
+def test_other_data_is_refused(run) -> None:
+    other = Batches(BATCHES.tokens, batch_size=16, length=32, seed=1)
+    with pytest.raises(CheckpointMismatchError, match="seed saved 0"):
+        run["checkpoints"].restore(adamw(), FSDP, strategy_mesh(FSDP), data=other)
+
+
+def test_missing_or_empty_directory(tmp_path) -> None:
+    with pytest.raises(NoCheckpointError, match="no checkpoint directory"):
+        Checkpoints(tmp_path / "absent", create=False)
+    empty = Checkpoints(tmp_path / "empty")
+    with pytest.raises(NoCheckpointError, match="it is empty"):
+        empty.restore(adamw(), FSDP, strategy_mesh(FSDP))
+    with pytest.raises(RuntimeError, match="no checkpoint directory"):
+        cli.run("restore", str(tmp_path / "absent"), devices=2)
+
+
+def test_missing_step(run) -> None:
+    with pytest.raises(NoCheckpointError, match=r"holds no checkpoint of step 2.*\[6, 8\]"):
+        run["checkpoints"].record(2)
+
+
+def test_check_matches_lists_every_kind_of_difference() -> None:
+    saved = {"a": ((2,), "float32"), "b": ((3,), "float32"), "c": ((4,), "int32")}
+    wanted = {"a": ((2,), "float32"), "c": ((4,), "float32"), "d": ((1,), "float32")}
+    with pytest.raises(CheckpointMismatchError) as error:
+        check_matches(saved, wanted, "checkpoint 1")
+    message = str(error.value)
+    assert "1 arrays the target has and checkpoint 1 lacks: d" in message
+    assert "1 arrays checkpoint 1 has and the target lacks: b" in message
+    assert "c (saved (4,) int32, wanted (4,) float32)" in message
+    check_matches(saved, dict(saved), "checkpoint 1")
+
+
+def test_file_roles() -> None:
+    assert file_role("state/ocdbt.process_3/d/abc").startswith("array data")
+    assert file_role("meta/metadata") == "the run's record (JSON)"
+    assert file_role("something/else") == "other"
+
+
+def test_a_save_killed_mid_write_loses_only_the_steps_since_the_last(tmp_path: Path) -> None:
+    directory = tmp_path / "crash"
+    crash = cli.crash_during_save(directory, steps=6, save_every=3, devices=8, batch_size=16)
+    assert crash.returncode == -9
+    assert sorted(crash.checksums) == [3, 6] and sorted(crash.losses) == list(range(6))
+    # The killed save left a partial directory, which restores ignore.
+    survivors = Checkpoints(directory, create=False)
+    assert survivors.partial() == [f"6{PARTIAL}"]
+    assert survivors.steps() == [3]
+    resumed = survivors.restore(adamw(), FSDP, strategy_mesh(FSDP), data=BATCHES)
+    assert checksums(resumed.state) == crash.checksums[3]
+    # Resuming redoes steps 3 to 5, exactly as the killed run did them, and reaches its state.
+    assert resumed.train(BATCHES, 3) == [crash.losses[s] for s in (3, 4, 5)]
+    assert checksums(resumed.state) == crash.checksums[6]
+    # Saving into the directory again first removes the partial save.
+    writer = Checkpoints(directory)
+    assert writer.discarded == [f"6{PARTIAL}"]
+    writer.save(resumed, BATCHES)
+    writer.wait()
+    assert writer.steps() == [3, 6] and writer.partial() == []
+
+
+def test_resume_from_the_command_line_after_a_crash(tmp_path: Path) -> None:
+    directory = tmp_path / "crash"
+    crash = cli.crash_during_save(directory, steps=4, save_every=2, devices=4, batch_size=8)
+    out = cli.run("train", str(directory), "--steps", "4", "--save-every", "2",
+                  "--batch-size", "8", devices=4)  # fmt: skip
+    assert "resumed from step 2" in out
+    redone = {int(m[1]): float(m[2]) for m in map(cli.LOSS.match, out.splitlines()) if m}
+    assert redone == {2: crash.losses[2], 3: crash.losses[3]}
+    final = [line for line in out.splitlines() if line.startswith("saving step 4")]
+    assert json.loads(final[0].split("checksums ", 1)[1]) == crash.checksums[4]
+    assert np.isfinite(list(redone.values())).all()
