@@ -69,7 +69,7 @@ def _restore(args: argparse.Namespace) -> None:
         jax.block_until_ready(trainer.state)
         seconds = time.perf_counter() - start
     layout = trainer.layout
-    print(f"process {os.getpid()}: {jax.device_count()} devices")
+    print(f"a new process with {jax.device_count()} {jax.devices()[0].platform} devices")
     print(f"checkpoint of step {record.step}, saved under {record.rules['name']} on mesh "
           f"{record.mesh} ({record.devices} devices)")  # fmt: skip
     held = f"{layout.bytes_per_device():,} of {layout.total_bytes():,} bytes per device"
