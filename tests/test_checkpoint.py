@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import jax
@@ -122,11 +123,28 @@ def test_chunks_are_the_shards_that_were_held(run) -> None:
 
 
 def test_files_are_described(run) -> None:
-    files = run["checkpoints"].files()
-    assert all(role != "other" for _, _, role in files), files
-    data = sum(size for path, size, _ in files if path.startswith("state/ocdbt.process_0/d/"))
-    total = run["trainer"].layout.total_bytes()
-    assert 0.5 * total < data <= total  # zstd-compressed float32: somewhat smaller
+    assert all(role != "other" for _, _, role in run["checkpoints"].files())
+
+
+@pytest.mark.parametrize("rules", [DP, FSDP, TP], ids=lambda r: r.name)
+def test_every_device_writes_an_equal_share_of_every_array(run, rules, tmp_path) -> None:
+    """Distinct shards are written whole; replicated shards are split between their replicas."""
+    trainer = run["checkpoints"].restore(adamw(), rules, strategy_mesh(rules))
+    with Checkpoints(tmp_path) as checkpoints:
+        checkpoints.save(trainer)
+        checkpoints.wait()
+        values, chunks = checkpoints.stored_values(), checkpoints.chunks()
+    counts = {
+        p.path: math.prod(p.shape) // math.prod(chunks[p.path])
+        for p in trainer.layout.placements
+        if p.shape
+    }
+    assert set(counts.values()) == {8}
+    stored = [k for k in values if not k.endswith("/.zarray")]
+    scalars = len(trainer.layout.placements) - len(counts)
+    assert len(stored) == sum(counts.values()) + scalars
+    assert len(values) - len(stored) == len(trainer.layout.placements)  # a header per array
+    assert sum(values[k] for k in stored) < trainer.layout.total_bytes()  # zstd
 
 
 def test_other_optimizer_names_the_mismatching_arrays(run) -> None:

@@ -28,6 +28,7 @@ import jax
 import numpy as np
 import optax
 import orbax.checkpoint as ocp
+import tensorstore as ts
 from flax import nnx
 from jax.sharding import Mesh
 
@@ -319,6 +320,16 @@ class Checkpoints:
         return {
             path: tuple(meta.storage.chunk_shape) for path, meta in self._stored_tree(step).items()
         }
+
+    def stored_values(self, step: int | None = None) -> dict[str, int]:
+        """Key -> bytes of every value in the checkpoint's array store (OCDBT, via TensorStore).
+
+        Keys are `<array>/<chunk index>` for the compressed chunks and `<array>/.zarray` for
+        each array's Zarr metadata; the rest of the `state/` files is the store's index.
+        """
+        root = self.directory / str(self._step(step)) / "state"
+        store = ts.KvStore.open({"driver": "ocdbt", "base": f"file://{root}/"}).result()
+        return {key.decode(): len(store.read(key).result().value) for key in store.list().result()}
 
     def restore_state(self, target: nnx.State, step: int | None = None) -> nnx.State:
         """The saved state, read into `target`'s shapes and shardings (see `restore_target`)."""
