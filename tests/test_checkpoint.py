@@ -63,6 +63,10 @@ def test_record_describes_the_run(run) -> None:
     assert record.devices == 8 and record.processes == 1 and record.ema_decay == 0.9
     assert record.data == {**BATCHES.describe(), "next_batch": 6}
     assert set(record.versions) >= {"jax", "flax", "orbax-checkpoint"}
+    shown = record._repr_markdown_()
+    assert "| model | Config() (the defaults) |" in shown
+    assert "| rule set | FSDP (vocab: data, embed: data, heads: replicated," in shown
+    assert "next_batch 6" in shown
 
 
 def test_restores_bit_for_bit_on_the_same_mesh(run) -> None:

@@ -33,6 +33,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from nnxscale.data import Batches
+from nnxscale.display import table
 from nnxscale.environment import versions
 from nnxscale.init import abstract
 from nnxscale.layout import resolve
@@ -78,6 +79,25 @@ class Record:
     def model_config(self) -> Config:
         """The model configuration, as a `Config`."""
         return Config(**self.config)
+
+    def _repr_markdown_(self) -> str:
+        changed = {k: v for k, v in self.config.items() if getattr(Config(), k) != v}
+        logical = ", ".join(
+            f"{name}: {'+'.join(map(str, axes)) or 'replicated'}"
+            for name, axes in self.rules["logical"].items()
+        )
+        data = self.data or {}
+        rows = [
+            ["step", self.step],
+            ["model", f"Config() with {changed}" if changed else "Config() (the defaults)"],
+            ["EMA decay", self.ema_decay],
+            ["rule set", f"{self.rules['name']} ({logical})"],
+            ["mesh", f"{self.mesh}: {self.devices} devices in {self.processes} process(es)"],
+            ["data", ", ".join(f"{k} {str(v)[:12]}" for k, v in data.items()) or "not recorded"],
+            ["saved at", time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(self.saved_at))],
+            ["written by", ", ".join(f"{k} {v}" for k, v in self.versions.items())],
+        ]
+        return str(table(["field", "value"], rows))
 
 
 def record_of(trainer: Trainer, data: Batches | None) -> Record:
