@@ -132,7 +132,10 @@ def test_files_are_described(run) -> None:
 
 @pytest.mark.parametrize("rules", [DP, FSDP, TP], ids=lambda r: r.name)
 def test_every_device_writes_an_equal_share_of_every_array(run, rules, tmp_path) -> None:
-    """Distinct shards are written whole; replicated shards are split between their replicas."""
+    """Distinct shards are written whole; replicated shards are split between their replicas.
+
+    That is Orbax's default except when JAX_PLATFORMS names a GPU, where one replica writes.
+    """
     trainer = run["checkpoints"].restore(adamw(), rules, strategy_mesh(rules))
     with Checkpoints(tmp_path) as checkpoints:
         checkpoints.save(trainer)
