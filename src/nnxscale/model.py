@@ -156,17 +156,29 @@ class Transformer(nnx.Module):
 
     def __call__(self, tokens: jax.Array, *, dropout_key: jax.Array | None = None) -> jax.Array:
         """Logits (batch, length, vocab) for integer tokens (batch, length); dropout if keyed."""
+        keys = None if dropout_key is None else self.layer_keys(dropout_key)
+        return self.unembed(self.run_blocks(self.embed_tokens(tokens), keys))
+
+    def embed_tokens(self, tokens: jax.Array) -> jax.Array:
+        """The blocks' input: token plus position embeddings, in the compute dtype."""
         cfg = self.cfg
         if tokens.shape[1] > cfg.max_len:
             raise ValueError(f"sequence length {tokens.shape[1]} exceeds max_len {cfg.max_len}")
-        dtype = jnp.dtype(cfg.compute_dtype)
-        x = (self.embed[...][tokens] + self.position[...][: tokens.shape[1]]).astype(dtype)
-        keys = None if dropout_key is None else jax.random.split(dropout_key, cfg.layers)
-        x = self._run_blocks(x, keys)
-        x = self.final_norm(x)
-        return jnp.einsum("ble,ev->blv", x, self.head[...].astype(dtype)).astype(jnp.float32)
+        x = self.embed[...][tokens] + self.position[...][: tokens.shape[1]]
+        return x.astype(jnp.dtype(cfg.compute_dtype))
 
-    def _run_blocks(self, x: jax.Array, keys: jax.Array | None) -> jax.Array:
+    def layer_keys(self, dropout_key: jax.Array) -> jax.Array:
+        """One dropout key per layer, from the step's key."""
+        return jax.random.split(dropout_key, self.cfg.layers)
+
+    def unembed(self, x: jax.Array) -> jax.Array:
+        """Float32 logits from the blocks' output: final norm, then the output head."""
+        x = self.final_norm(x)
+        head = self.head[...].astype(x.dtype)
+        return jnp.einsum("ble,ev->blv", x, head).astype(jnp.float32)
+
+    def run_blocks(self, x: jax.Array, keys: jax.Array | None) -> jax.Array:
+        """Every block in turn (a Python loop, or a scan over stacked blocks), remat if set."""
         apply: Callable[[Block, jax.Array, jax.Array | None], jax.Array] = (
             nnx.remat(lambda block, h, key: block(h, key))
             if self.cfg.remat

@@ -74,8 +74,12 @@ def next_token_loss(
     model: Transformer, tokens: jax.Array, dropout_key: jax.Array | None
 ) -> jax.Array:
     """Mean cross-entropy of predicting tokens[:, 1:] from tokens[:, :-1]."""
-    logits = model(tokens[:, :-1], dropout_key=dropout_key)
-    return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+    return cross_entropy(model(tokens[:, :-1], dropout_key=dropout_key), tokens[:, 1:])
+
+
+def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
+    """Mean cross-entropy of integer `targets` under `logits`."""
+    return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
 
 
 def loss_and_grads(
@@ -109,14 +113,18 @@ def loss_and_grads(
     return loss / micro_batches, jax.tree.map(lambda g: g / micro_batches, grads)
 
 
+GradsFn = Callable[[Transformer, jax.Array, "jax.Array | None", int], tuple[jax.Array, nnx.State]]
+"""How a step gets the loss and gradients: (model, batch, dropout key, micro-batches)."""
+
+
 def train_step(
     graphdef: nnx.GraphDef, state: nnx.State, batch: jax.Array, *, micro_batches: int = 1,
-    dropout: bool = True,
+    dropout: bool = True, grads_fn: GradsFn = loss_and_grads,
 ) -> tuple[nnx.State, jax.Array]:  # fmt: skip
     """One optimizer step and EMA update on `batch`; returns the new state and the loss."""
     ts = nnx.merge(graphdef, state)
     key = ts.rngs.dropout() if dropout else None
-    loss, grads = loss_and_grads(ts.model, batch, key, micro_batches)
+    loss, grads = grads_fn(ts.model, batch, key, micro_batches)
     ts.optimizer.update(ts.model, grads)
     decay = ts.ema_decay
     for path, param in params_by_path(ts.model).items():
@@ -155,26 +163,32 @@ class Trainer:
     @classmethod
     def create(
         cls, state: TrainState, rules: Rules, mesh: Mesh, *, micro_batches: int = 1,
-        dropout: bool = True,
+        dropout: bool = True, grads_fn: GradsFn = loss_and_grads,
     ) -> Trainer:  # fmt: skip
-        """Lay `state` out by `rules` on `mesh` (copying it there) and jit its steps."""
+        """Lay `state` out by `rules` on `mesh` (copying it there) and jit its steps.
+
+        `grads_fn` computes the loss and gradients: by default the compiler partitions
+        `loss_and_grads`; `nnxscale.fsdp` offers a hand-written one.
+        """
         graphdef, values = nnx.split(state)
         return cls.from_split(
-            graphdef, values, rules, mesh, micro_batches=micro_batches, dropout=dropout
-        )
+            graphdef, values, rules, mesh, micro_batches=micro_batches, dropout=dropout,
+            grads_fn=grads_fn,
+        )  # fmt: skip
 
     @classmethod
     def from_split(
         cls, graphdef: nnx.GraphDef, values: nnx.State, rules: Rules, mesh: Mesh, *,
-        micro_batches: int = 1, dropout: bool = True,
+        micro_batches: int = 1, dropout: bool = True, grads_fn: GradsFn = loss_and_grads,
     ) -> Trainer:  # fmt: skip
         """A trainer for a split train state: placed by `rules` on `mesh` (no copy if it is)."""
         layout = resolve(values, rules, mesh)
         shardings = layout.shardings()
         batch = batch_sharding(rules, mesh)
         scalar = NamedSharding(mesh, P())
+        options = {"micro_batches": micro_batches, "dropout": dropout, "grads_fn": grads_fn}
         step = jax.jit(
-            partial(train_step, graphdef, micro_batches=micro_batches, dropout=dropout),
+            partial(train_step, graphdef, **options),
             in_shardings=(shardings, batch), out_shardings=(shardings, scalar), donate_argnums=0,
         )  # fmt: skip
         evaluate = {

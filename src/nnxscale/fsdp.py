@@ -1,0 +1,160 @@
+"""FSDP by hand with `jax.shard_map`: every collective explicit, one layer gathered at a time.
+
+Chapter 4 let the compiler turn an FSDP layout into collectives. Here the program each device
+runs is written out. A device holds 1/N of every parameter (split along the dimension the FSDP
+rule set picks); it all-gathers a layer's weights just before the layer runs, inside a scan
+over the stacked layers, and drops them after. Its gradients arrive as 1/N shards by
+reduce-scatter, which nobody writes: the transpose of `all_gather` is `psum_scatter`, so
+differentiating through the gathers produces it. The backward pass either gathers the weights
+again (a remat policy that saves everything except them) or keeps them (the scan saves them:
+less communication, every layer's weights in memory at once).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
+from jax.extend.core import Primitive
+from jax.sharding import Mesh, PartitionSpec
+
+from nnxscale.layout import resolve
+from nnxscale.model import Transformer
+from nnxscale.rules import FSDP, Rules
+from nnxscale.train import GradsFn, cross_entropy
+
+GATHERED = "fsdp_gathered"
+"""The name that marks gathered weights for remat policies."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """How to gather: per layer or all up front; again in the backward pass or kept; prefetched."""
+
+    per_layer: bool = True
+    regather: bool = True
+    prefetch: bool = False
+    axis: str = "data"
+
+    def __post_init__(self) -> None:
+        if self.prefetch and (self.regather or not self.per_layer):
+            raise ValueError(
+                "prefetch carries the next layer's gathered weights from one scan iteration to "
+                "the next, and a scan saves its carries for the backward pass, so it keeps the "
+                "weights: use Options(prefetch=True, regather=False)."
+            )
+
+
+def save_all_but_gathered(primitive: Primitive, *_: object, **params: object) -> bool:
+    """Remat policy: save every value the backward pass needs except the gathered weights.
+
+    Both the all-gather's output and its named alias must be refused, or the backward pass
+    reads a saved copy instead of gathering again. (In JAX 0.10.2,
+    `save_anything_except_these_names` returns True for every value, named ones included.)
+    """
+    return primitive.name != "all_gather" and params.get("name") != GATHERED
+
+
+def gather(shard: jax.Array, spec: PartitionSpec, axis: str) -> jax.Array:
+    """The whole array from this device's shard: an all-gather along the dimension `axis` splits."""
+    dims = [d for d, entry in enumerate(spec) if entry == axis]
+    if not dims:
+        return shard  # replicated: every device already holds all of it
+    return checkpoint_name(jax.lax.all_gather(shard, axis, axis=dims[0], tiled=True), GATHERED)
+
+
+def gather_tree(shards: nnx.State, specs: nnx.State, axis: str) -> nnx.State:
+    """`gather` applied to every array of a state, each with its spec from the layout."""
+    return jax.tree.map(lambda x, s: gather(x, s, axis), shards, specs)
+
+
+def run_layers(
+    blocks: nnx.Module, specs: nnx.State, x: jax.Array, keys: jax.Array | None, options: Options
+) -> jax.Array:
+    """The stacked blocks applied to `x`, this device's rows, gathering as `options` say."""
+    graphdef, shards, rest = nnx.split(blocks, nnx.Param, ...)
+    layer_specs = jax.tree.map(lambda s: PartitionSpec(*tuple(s)[1:]), specs)  # minus `layers`
+    layers = jax.tree.leaves(shards)[0].shape[0]
+    keys = jnp.arange(layers) if keys is None else keys  # scanned over; unused without dropout
+    drop = jnp.issubdtype(keys.dtype, jax.dtypes.prng_key)
+
+    def apply(weights: nnx.State, h: jax.Array, key: jax.Array) -> jax.Array:
+        return nnx.merge(graphdef, weights, rest)(h, key if drop else None)
+
+    def gather_and_apply(h: jax.Array, layer_shards: nnx.State, key: jax.Array) -> jax.Array:
+        return apply(gather_tree(layer_shards, layer_specs, options.axis), h, key)
+
+    if not options.per_layer:  # for comparison: every layer gathered before the first runs
+        weights = gather_tree(shards, specs, options.axis)
+        return jax.lax.scan(lambda h, xs: (apply(xs[0], h, xs[1]), None), x, (weights, keys))[0]
+    if options.prefetch:  # gather layer i + 1 while layer i runs
+        first = gather_tree(jax.tree.map(lambda a: a[0], shards), layer_specs, options.axis)
+
+        def ahead(carry: tuple[jax.Array, nnx.State], xs: tuple[nnx.State, jax.Array]):
+            h, current = carry
+            upcoming = gather_tree(xs[0], layer_specs, options.axis)
+            return (apply(current, h, xs[1]), upcoming), None
+
+        following = jax.tree.map(lambda a: a[1:], shards)
+        (h, last), _ = jax.lax.scan(ahead, (x, first), (following, keys[:-1]))
+        return apply(last, h, keys[-1])
+    if options.regather:  # the backward pass runs the gathers again instead of keeping them
+        gather_and_apply = jax.checkpoint(gather_and_apply, policy=save_all_but_gathered)
+    return jax.lax.scan(lambda h, xs: (gather_and_apply(h, *xs), None), x, (shards, keys))[0]
+
+
+def local_loss(
+    params: nnx.State, graphdef: nnx.GraphDef, rest: nnx.State, specs: nnx.State,
+    tokens: jax.Array, key: jax.Array | None, options: Options,
+) -> jax.Array:  # fmt: skip
+    """This device's share of the batch's mean loss: the mean over its rows, over N devices."""
+    outer = nnx.State({k: v for k, v in params.items() if k != "blocks"})
+    outer = gather_tree(
+        outer, nnx.State({k: v for k, v in specs.items() if k != "blocks"}), options.axis
+    )
+    weights = nnx.State({**outer, "blocks": params["blocks"]})  # blocks are gathered per layer
+    model: Transformer = nnx.merge(graphdef, weights, rest)
+    keys = None
+    if key is not None:  # each device draws the dropout masks of its own rows
+        keys = model.layer_keys(jax.random.fold_in(key, jax.lax.axis_index(options.axis)))
+    x = run_layers(model.blocks, specs["blocks"], model.embed_tokens(tokens[:, :-1]), keys, options)
+    loss = cross_entropy(model.unembed(x), tokens[:, 1:])
+    return loss / jax.lax.axis_size(options.axis)
+
+
+def loss_and_grads(
+    model: Transformer, batch: jax.Array, key: jax.Array | None, micro_batches: int = 1, *,
+    mesh: Mesh, rules: Rules = FSDP, options: Options = Options(),
+) -> tuple[jax.Array, nnx.State]:  # fmt: skip
+    """Loss and gradients of `model` on `batch` by hand-written FSDP over `options.axis`.
+
+    The parameters are laid out by `rules` (FSDP) and the model scans its layers; the
+    gradients come back in the parameters' layout. With dropout, each device draws its own
+    rows' masks, so losses differ from `train.loss_and_grads` by the masks, not the method.
+    """
+    if not model.cfg.scan_layers:
+        raise ValueError("hand-written FSDP gathers inside a scan: use Config(scan_layers=True)")
+    if micro_batches != 1:
+        raise ValueError("hand-written FSDP takes the whole batch: use micro_batches=1")
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    specs = resolve(params, rules, mesh).specs
+
+    def per_device(params: nnx.State, tokens: jax.Array, key: jax.Array | None):
+        loss, grads = jax.value_and_grad(local_loss)(
+            params, graphdef, rest, specs, tokens, key, options
+        )
+        return jax.lax.psum(loss, options.axis), grads
+
+    in_specs = (specs, PartitionSpec(options.axis, None), None if key is None else PartitionSpec())
+    return jax.shard_map(
+        per_device, mesh=mesh, in_specs=in_specs, out_specs=(PartitionSpec(), specs)
+    )(params, batch, key)
+
+
+def grads_fn(mesh: Mesh, options: Options = Options(), rules: Rules = FSDP) -> GradsFn:
+    """`loss_and_grads` bound to a mesh and options, for `Trainer.create(grads_fn=...)`."""
+    return partial(loss_and_grads, mesh=mesh, rules=rules, options=options)
