@@ -12,13 +12,16 @@ less communication, every layer's weights in memory at once).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import io
+from collections.abc import Callable
 from functools import partial
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.ad_checkpoint import checkpoint_name
+from jax.ad_checkpoint import checkpoint_name, print_saved_residuals
 from jax.extend.core import Primitive
 from jax.sharding import Mesh, PartitionSpec
 
@@ -57,6 +60,14 @@ def save_all_but_gathered(primitive: Primitive, *_: object, **params: object) ->
     `save_anything_except_these_names` returns True for every value, named ones included.)
     """
     return primitive.name != "all_gather" and params.get("name") != GATHERED
+
+
+def saved_for_backward(f: Callable[..., jax.Array], *args: object) -> list[str]:
+    """What the backward pass of scalar `f` reads from memory: one line per saved value."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        print_saved_residuals(f, *args)
+    return out.getvalue().splitlines()
 
 
 def gather(shard: jax.Array, spec: PartitionSpec, axis: str) -> jax.Array:
