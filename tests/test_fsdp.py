@@ -6,6 +6,7 @@ import jax
 import numpy as np
 import pytest
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from nnxscale import fsdp
 from nnxscale.data import book_batches
@@ -94,7 +95,7 @@ def test_the_remat_policy_saves_no_gathered_weight() -> None:
     layer = jax.tree.map(lambda a: a[0], params)
 
     def apply(weights: nnx.State, h: jax.Array) -> jax.Array:
-        named = jax.tree.map(lambda w: fsdp.checkpoint_name(w * 1.0, fsdp.GATHERED), weights)
+        named = jax.tree.map(lambda w: checkpoint_name(w * 1.0, fsdp.GATHERED), weights)
         return nnx.merge(graphdef, named, rest)(h, None).sum()
 
     x = np.ones((2, 8, CFG.embed), np.float32)
