@@ -2,7 +2,7 @@
 
 Run from the repository root: python benchmarks/strategies.py [--devices 1 2 4 8] [--steps 10]
 Each device count runs in its own process (the count is fixed when JAX starts). The model is
-larger than the chapters' (about 3.4 M parameters). On a CPU the emulated devices share its
+larger than the chapters' (about 3.7 M parameters). On a CPU the emulated devices share its
 cores, so step times show overheads, not speed-ups; bytes are what the strategies change.
 """
 
