@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import jax
 
@@ -54,14 +53,7 @@ def main() -> None:
         trainer = Trainer.create(TrainState(MODEL, adamw()), rules, mesh, dropout=False, **options)
         compiled = trainer.compile(batches(0, trainer.batch))
         trainer.train(batches, 2)  # warm-up
-        times = []
-        for step in range(args.steps):
-            tokens = batches(100 + step, trainer.batch)
-            jax.block_until_ready(tokens)
-            start = time.perf_counter()
-            trainer.state, loss = compiled(trainer.state, tokens)
-            jax.block_until_ready(loss)
-            times.append(time.perf_counter() - start)
+        times = trainer.time_steps(batches, args.steps, first=100)
         report = collectives(compiled)
         rows.append(
             [name, trainer.layout.bytes_per_device() / 2**20, report.count(),

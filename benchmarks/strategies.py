@@ -48,14 +48,7 @@ def worker(steps: int) -> None:
         compiled = trainer.compile(batches(0, trainer.batch))
         compile_s = time.perf_counter() - start
         trainer.train(batches, 2)  # warm-up
-        times = []
-        for step in range(steps):
-            tokens = batches(100 + step, trainer.batch)
-            jax.block_until_ready(tokens)
-            start = time.perf_counter()
-            trainer.state, loss = compiled(trainer.state, tokens)
-            jax.block_until_ready(loss)
-            times.append(time.perf_counter() - start)
+        times = trainer.time_steps(batches, steps, first=100)
         memory = CompiledMemory.of(compiled)
         report = collectives(compiled)
         print(json.dumps({

@@ -116,3 +116,11 @@ def test_mixed_precision_keeps_float32_master_weights() -> None:
     assert np.isfinite(losses).all()
     for leaf in jax.tree.leaves(nnx.state(nnx.merge(run.graphdef, run.state), nnx.Param)):
         assert leaf.dtype == np.float32
+
+
+def test_time_steps_runs_the_steps_it_times() -> None:
+    run = trainer(FSDP)
+    run.train(BATCHES, 1)
+    times = run.time_steps(BATCHES, 2, first=1)
+    assert len(times) == 2 and all(t > 0 for t in times)
+    assert run.step_count() == 3

@@ -10,6 +10,7 @@ only the layout: the step's code is the same for all of them.
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Callable
 from functools import partial
 
@@ -213,6 +214,20 @@ class Trainer:
             self.state, loss = self.compile(tokens)(self.state, tokens)
             losses.append(float(loss))
         return losses
+
+    def time_steps(
+        self, batches: Callable[[int, NamedSharding], jax.Array], steps: int, first: int
+    ) -> list[float]:
+        """Wall seconds of each of `steps` steps on batches first, first + 1, ... (data ready)."""
+        times = []
+        for step in range(first, first + steps):
+            tokens = jax.block_until_ready(batches(step, self.batch))
+            compiled = self.compile(tokens)
+            start = time.perf_counter()
+            self.state, loss = compiled(self.state, tokens)
+            jax.block_until_ready(loss)
+            times.append(time.perf_counter() - start)
+        return times
 
     def compile(self, tokens: jax.Array) -> jax.stages.Compiled:
         """The step compiled for batches shaped like `tokens`: once, for running and analysis."""
