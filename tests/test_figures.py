@@ -9,8 +9,9 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from nnxscale.figures import plot_mesh, plot_sharding, plot_shardings, shard_blocks
+from nnxscale.figures import plot_mesh, plot_sharding, plot_shardings, plot_timeline, shard_blocks
 from nnxscale.mesh import make_mesh
+from nnxscale.schedules import interleaved, one_f_one_b, simulate
 
 matplotlib.use("Agg")
 
@@ -52,3 +53,12 @@ def test_plots_draw_one_patch_per_block(mesh) -> None:
     assert [len(a.patches) for a in fig.axes if a.get_visible()] == [1, 8]
     assert len(plot_mesh(mesh).patches) == 8
     assert len(plot_mesh(make_mesh((8,), ("ring",))).patches) == 8
+
+
+@pytest.mark.parametrize("schedule", [one_f_one_b(4, 8), interleaved(4, 8, 2)], ids=["1F1B", "v2"])
+def test_timeline_draws_a_box_per_task(schedule) -> None:
+    timeline = simulate(schedule)
+    ax = plot_timeline(timeline)
+    assert len(ax.patches) == 2 * schedule.micro_batches * schedule.stages
+    assert ax.get_xlim() == (0, timeline.makespan)
+    assert f"idle {timeline.bubble():.1%}" in ax.get_title()

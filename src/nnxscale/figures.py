@@ -1,4 +1,4 @@
-"""Figures drawn from real objects: which device holds which block of an array, mesh layouts."""
+"""Figures drawn from real objects: array blocks per device, mesh layouts, pipeline timelines."""
 
 from __future__ import annotations
 
@@ -9,6 +9,8 @@ import matplotlib.pyplot as plt
 from jax.sharding import Mesh
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
+
+from nnxscale.schedules import FORWARD, Timeline
 
 
 def _device_colour(device_id: int, total: int) -> tuple[float, float, float, float]:
@@ -88,4 +90,34 @@ def plot_mesh(mesh: Mesh, ax: Axes | None = None) -> Axes:
     if names[0]:
         ax.set_ylabel(f"axis '{names[0]}' (size {ids.shape[0]})", fontsize=9)
     ax.set_aspect("equal")
+    return ax
+
+
+def plot_timeline(timeline: Timeline, ax: Axes | None = None) -> Axes:
+    """A Gantt chart of a simulated schedule: a row per device, a box per task, idle left blank.
+
+    Forward passes are light and backward passes dark, coloured by micro-batch; with virtual
+    stages, the label gives the micro-batch and the stage.
+    """
+    schedule = timeline.schedule
+    ax = ax or plt.subplots(figsize=(9, 0.45 * schedule.devices + 0.9))[1]
+    colours = plt.get_cmap("tab10")
+    for d, runs in enumerate(timeline.runs):
+        for task, start, end in runs:
+            forward = task.kind == FORWARD
+            colour = colours(task.micro % 10)
+            ax.add_patch(plt.Rectangle(
+                (start, d - 0.4), end - start, 0.8, facecolor=colour, alpha=0.45 if forward else 1,
+                edgecolor="black", linewidth=0.5, hatch=None if forward else "//",
+            ))  # fmt: skip
+            label = f"{task.micro}" if schedule.virtual == 1 else f"{task.micro}.{task.stage}"
+            ax.text((start + end) / 2, d, label, ha="center", va="center", fontsize=6)
+    ax.set_xlim(0, timeline.makespan)
+    ax.set_ylim(schedule.devices - 0.5, -0.5)
+    ax.set_yticks(range(schedule.devices), [f"device {d}" for d in range(schedule.devices)])
+    ax.set_xlabel("time (a forward pass through one device's layers = 1)")
+    ax.set_title(
+        f"{schedule.name}: p={schedule.devices}, m={schedule.micro_batches}; "
+        f"idle {timeline.bubble():.1%} (light: forward, hatched: backward)", fontsize=9,
+    )  # fmt: skip
     return ax

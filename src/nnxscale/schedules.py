@@ -1,0 +1,240 @@
+"""Pipeline schedules as plain data: GPipe, 1F1B and interleaved 1F1B, checked and simulated.
+
+A schedule says, for each pipeline device, the order in which it runs its tasks: the forward
+or backward pass of one micro-batch through one of its model stages. With `v` virtual stages
+per device (interleaving), device `d` holds model stages `d, d + p, d + 2p, ...`. The same
+objects are validated (every task once, on the right device, no deadlock), simulated into a
+timeline with a bubble fraction and the peak number of micro-batches whose activations a
+device holds, drawn as Gantt charts, and run by the executor.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+FORWARD, BACKWARD = "F", "B"
+
+
+class ScheduleError(ValueError):
+    """Parameters no schedule can be built from, or a schedule that cannot run as written."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Task:
+    """One pass of one micro-batch through one model stage."""
+
+    kind: str  # FORWARD or BACKWARD
+    micro: int
+    stage: int  # the model stage, 0 .. p * v - 1
+
+    def __str__(self) -> str:
+        return f"{self.kind}{self.micro}@{self.stage}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+    """Per device, the tasks it runs in order."""
+
+    name: str
+    devices: int
+    micro_batches: int
+    virtual: int
+    order: tuple[tuple[Task, ...], ...]
+
+    @property
+    def stages(self) -> int:
+        """Model stages: devices times virtual stages per device."""
+        return self.devices * self.virtual
+
+    def device_of(self, stage: int) -> int:
+        """The device that holds model stage `stage`."""
+        return stage % self.devices
+
+
+def _check(devices: int, micro_batches: int, virtual: int = 1) -> None:
+    for name, value in (("devices", devices), ("micro_batches", micro_batches),
+                        ("virtual", virtual)):  # fmt: skip
+        if value < 1:
+            raise ScheduleError(f"{name}={value}: a pipeline needs at least 1")
+
+
+def gpipe(devices: int, micro_batches: int) -> Schedule:
+    """GPipe: every forward pass, then every backward pass (all m activations held)."""
+    _check(devices, micro_batches)
+    order = tuple(
+        tuple(Task(FORWARD, i, d) for i in range(micro_batches))
+        + tuple(Task(BACKWARD, i, d) for i in range(micro_batches))
+        for d in range(devices)
+    )
+    return Schedule("GPipe", devices, micro_batches, 1, order)
+
+
+def one_f_one_b(devices: int, micro_batches: int) -> Schedule:
+    """1F1B: a few forwards to fill the pipe, then one forward, one backward (at most p held)."""
+    _check(devices, micro_batches)
+    order = []
+    for d in range(devices):
+        warmup = min(devices - d - 1, micro_batches)
+        tasks = [Task(FORWARD, i, d) for i in range(warmup)]
+        for i in range(micro_batches - warmup):
+            tasks += [Task(FORWARD, warmup + i, d), Task(BACKWARD, i, d)]
+        tasks += [Task(BACKWARD, i, d) for i in range(micro_batches - warmup, micro_batches)]
+        order.append(tuple(tasks))
+    return Schedule("1F1B", devices, micro_batches, 1, tuple(order))
+
+
+def interleaved(devices: int, micro_batches: int, virtual: int) -> Schedule:
+    """Interleaved 1F1B (Megatron-LM): v stages per device, micro-batches in groups of p."""
+    _check(devices, micro_batches, virtual)
+    if micro_batches % devices:
+        raise ScheduleError(
+            f"interleaved 1F1B runs micro-batches in groups of p={devices}, and "
+            f"m={micro_batches} is not a multiple of it: use m = "
+            f"{devices * max(1, micro_batches // devices)} or another multiple of p."
+        )
+    total = micro_batches * virtual
+
+    def task(kind: str, k: int, d: int) -> Task:
+        chunk = (k // devices) % virtual
+        if kind == BACKWARD:
+            chunk = virtual - 1 - chunk
+        micro = (k // (devices * virtual)) * devices + k % devices
+        return Task(kind, micro, chunk * devices + d)
+
+    order = []
+    for d in range(devices):
+        warmup = min((devices - d - 1) * 2 + (virtual - 1) * devices, total)
+        tasks = [task(FORWARD, k, d) for k in range(warmup)]
+        for k in range(total - warmup):
+            tasks += [task(FORWARD, warmup + k, d), task(BACKWARD, k, d)]
+        tasks += [task(BACKWARD, k, d) for k in range(total - warmup, total)]
+        order.append(tuple(tasks))
+    return Schedule(f"interleaved 1F1B (v={virtual})", devices, micro_batches, virtual,
+                    tuple(order))  # fmt: skip
+
+
+def dependencies(task: Task, stages: int) -> list[Task]:
+    """The tasks that must finish first: the previous stage's forward, the next's backward."""
+    if task.kind == FORWARD:
+        return [Task(FORWARD, task.micro, task.stage - 1)] if task.stage else []
+    after = Task(FORWARD, task.micro, task.stage)
+    if task.stage == stages - 1:
+        return [after]
+    return [after, Task(BACKWARD, task.micro, task.stage + 1)]
+
+
+@dataclasses.dataclass(frozen=True)
+class Timeline:
+    """A simulated run: each device's tasks with start and end times."""
+
+    schedule: Schedule
+    runs: tuple[tuple[tuple[Task, float, float], ...], ...]
+
+    @property
+    def makespan(self) -> float:
+        """Time from the first task's start to the last task's end."""
+        return max(end for device in self.runs for _, _, end in device)
+
+    def bubble(self) -> float:
+        """Share of device time spent idle: 1 - busy / (devices x makespan)."""
+        busy = sum(end - start for device in self.runs for _, start, end in device)
+        return 1 - busy / (self.schedule.devices * self.makespan)
+
+    def peak_in_flight(self) -> list[int]:
+        """Per device, the most micro-batch stages whose activations it holds at once."""
+        peaks = []
+        for device in self.runs:
+            held = peak = 0
+            for task, _, _ in device:
+                held += 1 if task.kind == FORWARD else -1
+                peak = max(peak, held)
+            peaks.append(peak)
+        return peaks
+
+
+def simulate(
+    schedule: Schedule, cost: Callable[[Task], float] | None = None, latency: float = 0.0
+) -> Timeline:
+    """Run the schedule in time: a task starts once its device is free and its inputs arrived.
+
+    `cost` gives a task's duration (default: forward 1 and backward 2, divided by v, so a
+    micro-batch's whole pass costs the same at every v); `latency` delays every hand-over
+    between devices. Raises ScheduleError on a deadlock, naming the stuck tasks.
+    """
+    validate(schedule)
+    v = schedule.virtual
+    cost = cost or (lambda t: (1.0 if t.kind == FORWARD else 2.0) / v)
+    done: dict[Task, tuple[int, float]] = {}
+    position = [0] * schedule.devices
+    free = [0.0] * schedule.devices
+    runs: list[list[tuple[Task, float, float]]] = [[] for _ in range(schedule.devices)]
+    remaining = sum(len(tasks) for tasks in schedule.order)
+    while remaining:
+        progressed = False
+        for d, tasks in enumerate(schedule.order):
+            while position[d] < len(tasks):
+                task = tasks[position[d]]
+                needs = dependencies(task, schedule.stages)
+                if any(n not in done for n in needs):
+                    break
+                ready = [end + (latency if device != d else 0.0)
+                         for device, end in (done[n] for n in needs)]  # fmt: skip
+                start = max([free[d], *ready])
+                free[d] = start + cost(task)
+                done[task] = (d, free[d])
+                runs[d].append((task, start, free[d]))
+                position[d] += 1
+                remaining -= 1
+                progressed = True
+        if not progressed:
+            waits = []
+            for d, tasks in enumerate(schedule.order):
+                if position[d] < len(tasks):
+                    task = tasks[position[d]]
+                    missing = [n for n in dependencies(task, schedule.stages) if n not in done]
+                    waits.append(f"{task} waits for {missing[0]}")
+            raise ScheduleError(
+                f"{schedule.name} deadlocks: {'; '.join(waits)}. Reorder so that every task "
+                "comes after the tasks it needs."
+            )
+    return Timeline(schedule, tuple(tuple(r) for r in runs))
+
+
+def validate(schedule: Schedule) -> None:
+    """Raise ScheduleError unless every task appears exactly once, on the device of its stage."""
+    expected = {Task(kind, i, s) for kind in (FORWARD, BACKWARD)
+                for i in range(schedule.micro_batches) for s in range(schedule.stages)}  # fmt: skip
+    seen: set[Task] = set()
+    for d, tasks in enumerate(schedule.order):
+        for task in tasks:
+            if task in seen:
+                raise ScheduleError(f"{schedule.name}: {task} appears twice")
+            if task not in expected:
+                raise ScheduleError(f"{schedule.name}: {task} is not a task of this pipeline")
+            if schedule.device_of(task.stage) != d:
+                raise ScheduleError(
+                    f"{schedule.name}: {task} is on device {d}, but stage {task.stage} lives "
+                    f"on device {schedule.device_of(task.stage)}"
+                )
+            seen.add(task)
+    missing = sorted(map(str, expected - seen))
+    if missing:
+        raise ScheduleError(f"{schedule.name}: {len(missing)} tasks never run, e.g. {missing[:4]}")
+
+
+def bubble_formula(devices: int, micro_batches: int, virtual: int = 1) -> float:
+    """The idle share the literature gives: (p - 1) / (v m + p - 1)."""
+    return (devices - 1) / (virtual * micro_batches + devices - 1)
+
+
+def split_layers(layers: int, stages: int) -> list[range]:
+    """The layers of each model stage: equal consecutive runs, or an error saying what fits."""
+    if stages < 1 or layers % stages:
+        fits = [s for s in range(1, layers + 1) if layers % s == 0]
+        raise ScheduleError(
+            f"{layers} layers cannot be split into {stages} equal stages: use a number of "
+            f"stages (devices x virtual stages) among {fits}, or change the layer count."
+        )
+    size = layers // stages
+    return [range(s * size, (s + 1) * size) for s in range(stages)]

@@ -1,0 +1,98 @@
+"""Pipeline schedules: their bubbles and memory against the formulas, and their errors."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from nnxscale.schedules import (
+    BACKWARD,
+    FORWARD,
+    ScheduleError,
+    Task,
+    bubble_formula,
+    gpipe,
+    interleaved,
+    one_f_one_b,
+    simulate,
+    split_layers,
+    validate,
+)
+
+SHAPES = [(2, 2), (2, 8), (4, 4), (4, 8), (4, 16), (8, 8), (8, 32)]
+COSTS = {"equal": lambda t: 1.0, "backward twice forward": None}
+
+
+@pytest.mark.parametrize("cost", COSTS)
+@pytest.mark.parametrize(("p", "m"), SHAPES)
+def test_gpipe_and_1f1b_bubbles_are_the_formula(p, m, cost) -> None:
+    for schedule in (gpipe(p, m), one_f_one_b(p, m)):
+        timeline = simulate(schedule, COSTS[cost])
+        assert timeline.bubble() == pytest.approx(bubble_formula(p, m), abs=1e-12)
+
+
+@pytest.mark.parametrize("v", [2, 3, 4])
+@pytest.mark.parametrize(("p", "m"), [(2, 2), (2, 8), (4, 4), (4, 8), (8, 16)])
+def test_interleaved_bubble_is_the_formula(p, m, v) -> None:
+    timeline = simulate(interleaved(p, m, v))
+    assert timeline.bubble() == pytest.approx(bubble_formula(p, m, v), abs=1e-12)
+    assert timeline.bubble() < bubble_formula(p, m)  # less idle than without interleaving
+
+
+@pytest.mark.parametrize(("p", "m"), SHAPES)
+def test_peak_activations_are_m_for_gpipe_and_p_for_1f1b(p, m) -> None:
+    assert simulate(gpipe(p, m)).peak_in_flight() == [m] * p
+    peaks = simulate(one_f_one_b(p, m)).peak_in_flight()
+    assert peaks == [min(m, p - d) for d in range(p)] and max(peaks) == min(m, p)
+
+
+def test_interleaved_holds_its_warm_up_plus_one() -> None:
+    peaks = simulate(interleaved(4, 8, 2)).peak_in_flight()
+    assert peaks == [(4 - d - 1) * 2 + (2 - 1) * 4 + 1 for d in range(4)]  # chunks of 1/v stage
+
+
+def test_every_task_runs_once_on_its_device() -> None:
+    schedule = interleaved(4, 8, 2)
+    validate(schedule)
+    assert sum(len(tasks) for tasks in schedule.order) == 2 * 8 * 8
+    for d, tasks in enumerate(schedule.order):
+        assert {t.stage for t in tasks} == {d, d + 4}
+
+
+def test_validate_names_duplicates_misplaced_and_missing_tasks() -> None:
+    good = one_f_one_b(2, 2)
+    twice = dataclasses.replace(good, order=(good.order[0] + good.order[0][:1], good.order[1]))
+    with pytest.raises(ScheduleError, match=r"F0@0 appears twice"):
+        validate(twice)
+    swapped = dataclasses.replace(good, order=(good.order[1], good.order[0]))
+    with pytest.raises(ScheduleError, match=r"on device 0, but stage 1 lives on device 1"):
+        validate(swapped)
+    short = dataclasses.replace(good, order=(good.order[0][:-1], good.order[1]))
+    with pytest.raises(ScheduleError, match=r"1 tasks never run, e.g. \['B1@0'\]"):
+        validate(short)
+
+
+def test_a_deadlock_is_named() -> None:
+    good = gpipe(2, 2)
+    backward_first = tuple(sorted(good.order[1], key=lambda t: t.kind != BACKWARD))
+    bad = dataclasses.replace(good, order=(good.order[0], backward_first))
+    stuck = r"deadlocks: B0@0 waits for B0@1; B0@1 waits for F0@1\."
+    with pytest.raises(ScheduleError, match=stuck):
+        simulate(bad)
+
+
+def test_bad_parameters_are_refused() -> None:
+    with pytest.raises(ScheduleError, match="not a multiple of it: use m = 4"):
+        interleaved(4, 6, 2)
+    with pytest.raises(ScheduleError, match="at least 1"):
+        gpipe(0, 4)
+    with pytest.raises(ScheduleError, match=r"among \[1, 2, 3, 6\]"):
+        split_layers(6, 4)
+    assert split_layers(6, 3) == [range(0, 2), range(2, 4), range(4, 6)]
+
+
+def test_latency_delays_only_hand_overs() -> None:
+    plain, slow = simulate(gpipe(2, 2)), simulate(gpipe(2, 2), latency=0.5)
+    assert slow.makespan == plain.makespan + 2 * 0.5  # one hand-over each way on the path
+    assert str(Task(FORWARD, 3, 1)) == "F3@1"
