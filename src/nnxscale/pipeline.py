@@ -1,0 +1,191 @@
+"""A pipeline executor: a schedule from `nnxscale.schedules` run with `jax.shard_map` and ppermute.
+
+The mesh has a `stage` axis (and optionally an `fsdp` axis inside each stage). Device `d` of
+`stage` holds layers `d L/p .. (d+1) L/p - 1` of the stacked blocks; the embeddings and head
+are replicated over `stage` (split over `fsdp` if there is one), and only the first and last
+stage use them. The schedule is simulated with unit task costs into a table of clock ticks;
+every tick, each device runs its task (a forward pass of a micro-batch through its layers, or
+a backward pass that recomputes that forward from the saved stage input), then every device
+sends its output forward and its input gradient backward with `ppermute`. All devices run the
+same program, so each tick computes both passes and keeps the one its task asks for. The
+buffers for saved inputs and messages hold as many micro-batches as the schedule keeps in
+flight: m for GPipe, p for 1F1B.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, PartitionSpec
+
+from nnxscale import fsdp
+from nnxscale.layout import resolve
+from nnxscale.mesh import make_mesh
+from nnxscale.model import Transformer
+from nnxscale.rules import Rules
+from nnxscale.schedules import FORWARD, Schedule, ScheduleError, simulate, split_layers
+from nnxscale.train import GradsFn, cross_entropy
+
+STAGE, FSDP_AXIS = "stage", "fsdp"
+IDLE, RUN_FORWARD, RUN_BACKWARD = 0, 1, 2
+
+_NAMES = ("vocab", "embed", "heads", "head_dim", "mlp", "length")
+PP = Rules("PP", {**dict.fromkeys(_NAMES, ()), "layers": (STAGE,), "batch": ()})
+"""Pipeline parallelism: each block's layers split over `stage`, everything else replicated."""
+
+PP_FSDP = Rules(
+    "PP+FSDP",
+    {**dict.fromkeys(_NAMES, ()), "layers": (STAGE,), "batch": (FSDP_AXIS,),
+     "embed": (FSDP_AXIS,), "mlp": (FSDP_AXIS,), "vocab": (FSDP_AXIS,)},
+)  # fmt: skip
+"""Pipeline stages over `stage`, and FSDP over `fsdp` inside each stage."""
+
+
+def pipeline_mesh(stages: int, fsdp_size: int = 0) -> Mesh:
+    """A mesh of `stages` devices on `stage` (times `fsdp_size` on `fsdp` if given), Auto axes."""
+    shape, names = ((stages, fsdp_size), (STAGE, FSDP_AXIS)) if fsdp_size else ((stages,), (STAGE,))
+    count = math.prod(shape)
+    if count > jax.device_count():
+        raise ScheduleError(
+            f"a {dict(zip(names, shape, strict=True))} pipeline needs {count} devices and "
+            f"there are {jax.device_count()}: use fewer stages or a smaller fsdp axis."
+        )
+    return make_mesh(shape, names, explicit=False, devices=jax.devices()[:count])
+
+
+def tick_table(schedule: Schedule) -> tuple[np.ndarray, np.ndarray]:
+    """(what, micro-batch) for every clock tick and device, with one tick per task."""
+    if schedule.virtual != 1:
+        raise ScheduleError("the executor runs one stage per device: use GPipe or 1F1B (v=1)")
+    timeline = simulate(schedule, cost=lambda task: 1.0)
+    ticks = int(timeline.makespan)
+    what = np.full((ticks, schedule.devices), IDLE, np.int32)
+    micro = np.zeros((ticks, schedule.devices), np.int32)
+    for d, runs in enumerate(timeline.runs):
+        for task, start, _ in runs:
+            what[int(start), d] = RUN_FORWARD if task.kind == FORWARD else RUN_BACKWARD
+            micro[int(start), d] = task.micro
+    return what, micro
+
+
+def _stage_loss(
+    params: nnx.State, x_in: jax.Array, tokens: jax.Array, graphdef: nnx.GraphDef,
+    rest: nnx.State, specs: nnx.State, scale: float, inner: str | None,
+) -> tuple[jax.Array, jax.Array]:  # fmt: skip
+    """This device's stage on one micro-batch: (its output, its share of the loss if last)."""
+    stage, stages = jax.lax.axis_index(STAGE), jax.lax.axis_size(STAGE)
+    if inner is not None:  # FSDP inside the stage: gather the small outer arrays first
+        outer = {k: v for k, v in params.items() if k != "blocks"}
+        outer_specs = nnx.State({k: v for k, v in specs.items() if k != "blocks"})
+        params = nnx.State({**fsdp.gather_tree(nnx.State(outer), outer_specs, inner),
+                            "blocks": params["blocks"]})  # fmt: skip
+    model: Transformer = nnx.merge(graphdef, params, rest)
+    x = jnp.where(stage == 0, model.embed_tokens(tokens[:, :-1]), x_in)
+    # The stage's layers in a scan; with FSDP inside the stage, each gathered just before use.
+    options = fsdp.Options(axis=inner or FSDP_AXIS, regather=False)
+    y = fsdp.run_layers(model.blocks, specs["blocks"], x, None, options)
+    loss = cross_entropy(model.unembed(y), tokens[:, 1:]) * scale
+    return y, jnp.where(stage == stages - 1, loss, 0.0)
+
+
+def loss_and_grads(
+    model: Transformer, batch: jax.Array, schedule: Schedule, mesh: Mesh
+) -> tuple[jax.Array, nnx.State]:
+    """Mean loss and gradients of `model` on `batch`, pipelined by `schedule` over `stage`.
+
+    The parameters must be laid out by `PP` (mesh with `stage`) or `PP_FSDP` (mesh with
+    `stage` and `fsdp`); the gradients come back in the same layout.
+    """
+    if not model.cfg.scan_layers:
+        raise ValueError("the executor splits stacked layers: use Config(scan_layers=True)")
+    p, m = mesh.shape[STAGE], schedule.micro_batches
+    if schedule.devices != p:
+        raise ScheduleError(f"the schedule has {schedule.devices} stages, the mesh {p}")
+    split_layers(model.cfg.layers, p)  # raises if the layers do not divide into stages
+    if batch.shape[0] % m:
+        raise ScheduleError(f"a batch of {batch.shape[0]} rows cannot make {m} micro-batches")
+    inner = FSDP_AXIS if FSDP_AXIS in mesh.axis_names else None
+    rows = mesh.shape[FSDP_AXIS] if inner else 1
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    specs = resolve(params, PP_FSDP if inner else PP, mesh).specs
+    what, micro = tick_table(schedule)
+    slots = max(simulate(schedule).peak_in_flight())
+    micro_batches = batch.reshape(m, batch.shape[0] // m, batch.shape[1])
+    scale = 1.0 / (m * rows)
+
+    def per_device(params: nnx.State, tokens: jax.Array):
+        d = jax.lax.axis_index(STAGE)
+        on_every_stage = jax.tree.map(lambda s: STAGE not in tuple(s), specs)
+        params = jax.tree.map(lambda x, r: jax.lax.pcast(x, STAGE, to="varying") if r else x,
+                              params, on_every_stage)  # fmt: skip
+
+        def stage(params: nnx.State, x: jax.Array, tok: jax.Array):
+            return _stage_loss(params, x, tok, graphdef, rest, specs, scale, inner)
+
+        shape = jax.eval_shape(stage, params, jnp.zeros((), jnp.float32), tokens[0])[0]
+        zeros = jnp.zeros(shape.shape, shape.dtype)
+        varying = tuple(a for a in (STAGE, inner) if a)
+        buffers = jax.lax.pcast(jnp.zeros((slots, *shape.shape), shape.dtype), varying,
+                                to="varying")  # fmt: skip
+
+        ahead = [(s, s + 1) for s in range(p - 1)]  # ppermute pairs: to the next stage
+        back = [(s + 1, s) for s in range(p - 1)]  # and to the previous one
+
+        def receive(buffer: jax.Array, value: jax.Array, index: jax.Array, valid: jax.Array):
+            slot = index % slots
+            return buffer.at[slot].set(jnp.where(valid, value, buffer[slot]))
+
+        def tick(carry, row):
+            inputs, grads_in, saved, grads, loss = carry
+            task, i = row[0][d], row[1][d]  # this device's task at this tick
+            forward, backward, slot = task == RUN_FORWARD, task == RUN_BACKWARD, i % slots
+            # Forward pass of micro-batch i: keep its stage input for the backward pass.
+            y, part = stage(params, inputs[slot], tokens[i])
+            saved = saved.at[slot].set(jnp.where(forward, inputs[slot], saved[slot]))
+            loss = loss + jnp.where(forward, part, 0.0)
+            # Backward pass of micro-batch i: recompute the stage from its input, pull back.
+            _, pullback = jax.vjp(lambda p_, x_: stage(p_, x_, tokens[i]), params, saved[slot])
+            g_params, g_x = pullback((grads_in[slot], jnp.ones_like(part)))
+            grads = jax.tree.map(lambda g, n: g + jnp.where(backward, n, 0.0), grads, g_params)
+            # Hand-overs: outputs to the next stage, input gradients to the previous one.
+            sent = [jax.lax.ppermute(v, STAGE, ahead) for v in (jnp.where(forward, y, zeros), i,
+                                                              forward)]  # fmt: skip
+            inputs = receive(inputs, *sent)
+            sent = [jax.lax.ppermute(v, STAGE, back) for v in (jnp.where(backward, g_x, zeros),
+                                                             i, backward)]  # fmt: skip
+            grads_in = receive(grads_in, *sent)
+            return (inputs, grads_in, saved, grads, loss), None
+
+        loss = jax.lax.pcast(jnp.zeros((), jnp.float32), varying, to="varying")
+        start = (buffers, buffers, buffers, jax.tree.map(jnp.zeros_like, params), loss)
+        (_, _, _, grads, loss), _ = jax.lax.scan(
+            tick, start, (jnp.asarray(what), jnp.asarray(micro))
+        )
+        grads = jax.tree.map(lambda g, r: jax.lax.psum(g, STAGE) if r else g, grads, on_every_stage)
+        axes = (STAGE, inner) if inner else STAGE
+        return jax.lax.psum(loss, axes), grads
+
+    token_spec = PartitionSpec(None, inner, None)
+    return jax.shard_map(
+        per_device, mesh=mesh, in_specs=(specs, token_spec), out_specs=(PartitionSpec(), specs)
+    )(params, micro_batches)
+
+
+def grads_fn(schedule: Schedule, mesh: Mesh) -> GradsFn:
+    """The pipelined `loss_and_grads` as a train step's gradient function (no dropout)."""
+
+    def grads(
+        model: Transformer, batch: jax.Array, key: jax.Array | None, micro_batches: int = 1
+    ) -> tuple[jax.Array, nnx.State]:
+        if key is not None or micro_batches != 1:
+            raise ValueError(
+                "the pipeline executor cuts its own micro-batches and draws no dropout masks: "
+                "use Trainer.create(..., dropout=False, micro_batches=1)"
+            )
+        return loss_and_grads(model, batch, schedule, mesh)
+
+    return grads
