@@ -16,6 +16,7 @@ from functools import partial
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
@@ -76,6 +77,12 @@ def next_token_loss(
 ) -> jax.Array:
     """Mean cross-entropy of predicting tokens[:, 1:] from tokens[:, :-1]."""
     return cross_entropy(model(tokens[:, :-1], dropout_key=dropout_key), tokens[:, 1:])
+
+
+def largest_difference(a: object, b: object) -> float:
+    """The largest absolute difference between two trees of arrays, wherever they live."""
+    pairs = zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)
+    return max(float(np.max(np.abs(np.asarray(x) - np.asarray(y)))) for x, y in pairs)
 
 
 def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
