@@ -79,7 +79,7 @@ def test_a_deadlock_is_named() -> None:
     bad = dataclasses.replace(good, order=(good.order[0], backward_first))
     stuck = r"deadlocks: B0@0 waits for B0@1; B0@1 waits for F0@1\."
     with pytest.raises(ScheduleError, match=stuck):
-        simulate(bad)
+        validate(bad)
 
 
 def test_bad_parameters_are_refused() -> None:

@@ -162,7 +162,7 @@ def simulate(
     micro-batch's whole pass costs the same at every v); `latency` delays every hand-over
     between devices. Raises ScheduleError on a deadlock, naming the stuck tasks.
     """
-    validate(schedule)
+    _check_tasks(schedule)
     v = schedule.virtual
     cost = cost or (lambda t: (1.0 if t.kind == FORWARD else 2.0) / v)
     done: dict[Task, tuple[int, float]] = {}
@@ -202,6 +202,11 @@ def simulate(
 
 
 def validate(schedule: Schedule) -> None:
+    """Raise ScheduleError unless every task runs once, on its stage's device, without deadlock."""
+    simulate(schedule)
+
+
+def _check_tasks(schedule: Schedule) -> None:
     """Raise ScheduleError unless every task appears exactly once, on the device of its stage."""
     expected = {Task(kind, i, s) for kind in (FORWARD, BACKWARD)
                 for i in range(schedule.micro_batches) for s in range(schedule.stages)}  # fmt: skip
