@@ -23,10 +23,14 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
 
 from nnxscale.checkpoint import Checkpoints, checksums
 from nnxscale.data import book_batches
 from nnxscale.devices import emulate_devices
+from nnxscale.launch import COORDINATOR, initialize
 from nnxscale.mesh import strategy_mesh
 from nnxscale.model import TINY
 from nnxscale.rules import RULE_SETS
@@ -47,12 +51,16 @@ def _train(args: argparse.Namespace) -> None:
             print(f"resumed from step {trainer.step_count()}", flush=True)
         else:
             trainer = Trainer.create(TrainState(cfg, adamw()), rules, mesh)
+        start, stop = batches.local_rows(trainer.batch)
+        print(f"process {jax.process_index()} of {jax.process_count()}: "
+              f"{jax.local_device_count()} of {jax.device_count()} devices, loads rows "
+              f"{start}:{stop} of each batch of {batches.batch_size}", flush=True)  # fmt: skip
         while trainer.step_count() < args.steps:
             (loss,) = trainer.train(batches, 1)
             step = trainer.step_count()
             print(f"step {step - 1} loss {loss!r}", flush=True)
             if step % args.save_every == 0 or step == args.steps:
-                sums = checksums(trainer.state)
+                sums = checksums(trainer.state) if jax.process_count() == 1 else {}
                 blocked = checkpoints.save(trainer, batches)
                 print(f"saving step {step} (blocked {blocked * 1e3:.0f} ms) "
                       f"checksums {json.dumps(sums)}", flush=True)  # fmt: skip
@@ -85,12 +93,27 @@ def _restore(args: argparse.Namespace) -> None:
         Path(args.report).write_text(json.dumps(report))
 
 
+def _collective(args: argparse.Namespace) -> None:
+    """In a launched run: sum one number per device over every process, report, then hold."""
+    index, count = jax.process_index(), jax.process_count()
+    mesh = jax.make_mesh((jax.device_count(),), ("all",))
+    ones = jax.make_array_from_process_local_data(
+        NamedSharding(mesh, PartitionSpec("all")), np.ones(jax.local_device_count(), np.int32)
+    )
+    total = int(jax.jit(jnp.sum, out_shardings=NamedSharding(mesh, PartitionSpec()))(ones))
+    print(f"process {index} of {count}: {jax.local_device_count()} local devices, "
+          f"{jax.device_count()} in all, sum over every device {total}", flush=True)  # fmt: skip
+    time.sleep(args.hold)
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     """Parse the command line, emulate the devices asked for, and run the command."""
     parser = argparse.ArgumentParser(prog="python -m nnxscale.cli", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     train = commands.add_parser("train", help="train and checkpoint (resuming if DIR has one)")
     restore = commands.add_parser("restore", help="restore the latest checkpoint and report")
+    collective = commands.add_parser("collective", help="in a launched run: sum over devices")
+    collective.add_argument("--hold", type=float, default=0.0, help="seconds to wait after")
     for command in (train, restore):
         command.add_argument("directory")
         command.add_argument("--devices", default=None, help="emulated devices (default: 8)")
@@ -103,9 +126,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     restore.add_argument("--step", type=int, default=None, help="default: the latest")
     restore.add_argument("--report", default=None, help="write checksums here as JSON")
     args = parser.parse_args(argv)
-
-    emulate_devices(args.devices)
-    {"train": _train, "restore": _restore}[args.command](args)
+    if COORDINATOR in os.environ:  # a launched worker: devices and peers from the launcher
+        initialize()
+    else:
+        emulate_devices(args.devices)
+    {"train": _train, "restore": _restore, "collective": _collective}[args.command](args)
 
 
 def run(*args: str, devices: int, timeout: float = 300) -> str:

@@ -77,11 +77,16 @@ class Batches:
         """Batch `step` on the mesh; this process builds only the rows its devices hold."""
         shape = (self.batch_size, self.length + 1)
         check_batch_splits(self.batch_size, sharding)
-        indices = sharding.addressable_devices_indices_map(shape).values()
-        starts = [index[0].indices(self.batch_size)[:2] for index in indices]
-        start, stop = min(s for s, _ in starts), max(e for _, e in starts)
+        start, stop = self.local_rows(sharding)
         local = self.rows(step, start, stop)
         return jax.make_array_from_process_local_data(sharding, local, shape)
+
+    def local_rows(self, sharding: NamedSharding) -> tuple[int, int]:
+        """The rows start:stop of every batch that this process's devices hold."""
+        shape = (self.batch_size, self.length + 1)
+        indices = sharding.addressable_devices_indices_map(shape).values()
+        bounds = [index[0].indices(self.batch_size)[:2] for index in indices]
+        return min(s for s, _ in bounds), max(e for _, e in bounds)
 
 
 def book_batches(batch_size: int, length: int = 32) -> Batches:

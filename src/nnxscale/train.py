@@ -81,8 +81,14 @@ def next_token_loss(
 
 def largest_difference(a: object, b: object) -> float:
     """The largest absolute difference between two trees of arrays, wherever they live."""
+
+    def host(x: jax.Array) -> np.ndarray:
+        if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+            x = jax.random.key_data(x)
+        return np.asarray(x, dtype=np.float64)
+
     pairs = zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)
-    return max(float(np.max(np.abs(np.asarray(x) - np.asarray(y)))) for x, y in pairs)
+    return max(float(np.max(np.abs(host(x) - host(y)))) for x, y in pairs)
 
 
 def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
@@ -148,6 +154,23 @@ def eval_loss(
     return next_token_loss(ts.ema_model() if ema else ts.model, batch, None)
 
 
+def place(values: nnx.State, shardings: nnx.State) -> nnx.State:
+    """Copy host or local arrays onto their shardings; with several processes, each builds
+    only the shards its own devices hold (the values must be the same in every process)."""
+    if jax.process_count() == 1:
+        return jax.device_put(values, shardings)
+
+    def one(x: jax.Array, sharding: NamedSharding) -> jax.Array:
+        if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+            data = np.asarray(jax.random.key_data(x))
+            placed = jax.make_array_from_callback(data.shape, sharding, lambda i: data[i])
+            return jax.random.wrap_key_data(placed, impl=jax.random.key_impl(x))
+        host = np.asarray(x)
+        return jax.make_array_from_callback(host.shape, sharding, lambda i: host[i])
+
+    return jax.tree.map(one, values, shardings)
+
+
 def batch_sharding(rules: Rules, mesh: Mesh) -> NamedSharding:
     """Where a (batch, length) token array goes: rows on the rule set's `batch` axes."""
     axes = rules.candidates("batch", "batch")
@@ -207,7 +230,7 @@ class Trainer:
             )
             for ema in (False, True)
         }
-        placed = jax.device_put(values, shardings)
+        placed = place(values, shardings)
         return cls(
             graphdef, placed, layout, batch, step, evaluate[False], evaluate[True], micro_batches
         )

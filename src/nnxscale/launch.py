@@ -1,0 +1,163 @@
+"""Start N local JAX processes that form one distributed run, and always tear them all down.
+
+Each worker is a Python process with its own emulated CPU devices. The launcher picks a free
+port for the coordinator and passes each worker its part through the environment
+(`NNXSCALE_COORDINATOR`, `NNXSCALE_PROCESSES`, `NNXSCALE_PROCESS_ID`, `NNXSCALE_DEVICES`);
+the worker calls `initialize()` before anything else touches JAX. Output is streamed line by
+line with a `[process i]` prefix. When a worker fails (non-zero exit, killed by a signal) or
+the run takes longer than its timeout, the launcher kills every worker still running, waits
+for all of them, and raises `LaunchError` naming which worker ended how.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+
+COORDINATOR, PROCESSES, PROCESS_ID = (
+    "NNXSCALE_COORDINATOR", "NNXSCALE_PROCESSES", "NNXSCALE_PROCESS_ID"
+)  # fmt: skip
+
+
+class LaunchError(RuntimeError):
+    """A distributed run that did not finish cleanly; the message names the worker and how."""
+
+
+def free_port() -> int:
+    """A TCP port on localhost that nothing listens on right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("localhost", 0))
+        return probe.getsockname()[1]
+
+
+def initialize() -> tuple[int, int]:
+    """In a worker: emulate its devices, then join the run; returns (process id, processes)."""
+    import jax
+
+    from nnxscale.devices import emulate_devices
+
+    emulate_devices()
+    index, count = int(os.environ[PROCESS_ID]), int(os.environ[PROCESSES])
+    jax.distributed.initialize(os.environ[COORDINATOR], num_processes=count, process_id=index)
+    return index, count
+
+
+def how_it_ended(returncode: int) -> str:
+    """'exit status 3' or 'killed by SIGKILL'."""
+    if returncode < 0:
+        return f"killed by {signal.Signals(-returncode).name}"
+    return f"exit status {returncode}"
+
+
+@dataclasses.dataclass
+class Run:
+    """A running group of workers: their processes and, when done, their output."""
+
+    workers: list[subprocess.Popen[str]]
+    output: list[str] = dataclasses.field(default_factory=list)
+    _readers: list[threading.Thread] = dataclasses.field(default_factory=list)
+    _lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+
+    def wait(self, timeout: float) -> list[str]:
+        """Wait for every worker; on the first failure or the timeout, kill the rest and raise."""
+        deadline = time.monotonic() + timeout
+        failure = None
+        try:
+            while True:
+                codes = [w.poll() for w in self.workers]  # poll every worker, every time
+                failed = [i for i, code in enumerate(codes) if code not in (None, 0)]
+                if failed:
+                    i = failed[0]
+                    failure = f"process {i} (pid {self.workers[i].pid}) {how_it_ended(codes[i])}"
+                    break
+                if all(code == 0 for code in codes):
+                    break
+                if time.monotonic() > deadline:
+                    failure = f"the run exceeded its timeout of {timeout:g} s"
+                    break
+                time.sleep(0.05)
+        finally:
+            self.stop()
+        if failure:
+            raise LaunchError(f"{failure}; every other worker was stopped. Last output:\n"
+                              + "\n".join(self.output[-20:]))  # fmt: skip
+        return self.output
+
+    def stop(self) -> None:
+        """Kill every worker still running, reap them all and finish reading their output."""
+        for worker in self.workers:
+            if worker.poll() is None:
+                worker.kill()
+        for worker in self.workers:
+            worker.wait()
+        for reader in self._readers:
+            reader.join(timeout=5)
+
+
+def start(
+    command: Sequence[str], processes: int, devices: int, *,
+    echo: Callable[[str], None] | None = print, env: dict[str, str] | None = None,
+) -> Run:  # fmt: skip
+    """Start `processes` copies of `command`, each with `devices` emulated devices."""
+    if processes < 1 or devices < 1:
+        raise ValueError(f"need at least 1 process and 1 device each, got {processes}, {devices}")
+    coordinator = f"localhost:{free_port()}"
+    run = Run([])
+    for index in range(processes):
+        worker_env = {**os.environ, **(env or {}), COORDINATOR: coordinator,
+                      PROCESSES: str(processes), PROCESS_ID: str(index),
+                      "NNXSCALE_DEVICES": str(devices), "PYTHONUNBUFFERED": "1"}  # fmt: skip
+        worker = subprocess.Popen(
+            list(command), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            env=worker_env,
+        )  # fmt: skip
+        run.workers.append(worker)
+
+        def read(stream=worker.stdout, prefix=f"[process {index}] ") -> None:
+            for line in stream:
+                line = prefix + line.rstrip("\n")
+                with run._lock:
+                    run.output.append(line)
+                if echo is not None:
+                    echo(line)
+
+        reader = threading.Thread(target=read, daemon=True)
+        reader.start()
+        run._readers.append(reader)
+    return run
+
+
+def launch(
+    command: Sequence[str], processes: int, devices: int, *, timeout: float = 300,
+    echo: Callable[[str], None] | None = print, env: dict[str, str] | None = None,
+) -> list[str]:  # fmt: skip
+    """Run `command` as `processes` workers of one distributed run; their prefixed output."""
+    return start(command, processes, devices, echo=echo, env=env).wait(timeout)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """`python -m nnxscale.launch -n 2 --devices 4 -- python worker.py`: exit 1 on failure."""
+    parser = argparse.ArgumentParser(prog="python -m nnxscale.launch", description=__doc__)
+    parser.add_argument("-n", "--processes", type=int, default=2)
+    parser.add_argument("--devices", type=int, default=4, help="emulated devices per process")
+    parser.add_argument("--timeout", type=float, default=300)
+    parser.add_argument("command", nargs=argparse.REMAINDER)
+    args = parser.parse_args(argv)
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    try:
+        launch(command, args.processes, args.devices, timeout=args.timeout)
+    except LaunchError as error:
+        print(f"launch failed: {error}", file=sys.stderr)
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

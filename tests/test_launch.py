@@ -1,0 +1,69 @@
+"""The launcher runs real multi-process JAX jobs and never leaves a process behind."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from nnxscale.launch import LaunchError, how_it_ended, launch, start
+
+WORKER = [sys.executable, "-m", "nnxscale.cli", "collective"]
+
+
+def gone(pid: int) -> bool:
+    """Whether no process (not even a zombie) has this pid any more."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+@pytest.mark.parametrize(("processes", "devices"), [(2, 4), (4, 2)])
+def test_processes_form_one_run(processes, devices) -> None:
+    output = launch(WORKER, processes, devices, timeout=120, echo=None)
+    total = processes * devices
+    for index in range(processes):
+        expected = (f"[process {index}] process {index} of {processes}: {devices} local devices, "
+                    f"{total} in all, sum over every device {total}")  # fmt: skip
+        assert expected in output
+
+
+def test_a_killed_worker_is_named_and_nothing_is_left() -> None:
+    run = start([*WORKER, "--hold", "60"], 2, 2, echo=None)
+    deadline = time.monotonic() + 120
+    while sum("sum over every device" in line for line in run.output) < 2:
+        assert time.monotonic() < deadline, run.output
+        time.sleep(0.1)
+    victim = run.workers[1].pid
+    os.kill(victim, signal.SIGKILL)
+    with pytest.raises(LaunchError, match=rf"process 1 \(pid {victim}\) killed by SIGKILL"):
+        run.wait(timeout=60)
+    assert all(gone(worker.pid) for worker in run.workers)
+
+
+def test_a_run_over_its_timeout_is_stopped() -> None:
+    run = start([*WORKER, "--hold", "60"], 2, 2, echo=None)
+    with pytest.raises(LaunchError, match="exceeded its timeout of 10 s"):
+        run.wait(timeout=10)
+    assert all(gone(worker.pid) for worker in run.workers)
+
+
+def test_the_command_line_exits_non_zero_and_says_why() -> None:
+    second_fails = "import os, sys; sys.exit(3 if os.environ['NNXSCALE_PROCESS_ID'] == '1' else 0)"
+    done = subprocess.run(
+        [sys.executable, "-m", "nnxscale.launch", "-n", "2", "--devices", "1", "--",
+         sys.executable, "-c", second_fails],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 1
+    assert "launch failed: process 1 (pid" in done.stderr and "exit status 3" in done.stderr
+
+
+def test_how_it_ended() -> None:
+    assert how_it_ended(-9) == "killed by SIGKILL" and how_it_ended(2) == "exit status 2"
