@@ -56,3 +56,10 @@ def test_a_batch_the_data_axis_cannot_split(batches: Batches) -> None:
 def test_too_short_a_corpus() -> None:
     with pytest.raises(ValueError, match="too short"):
         Batches(encode("1+1=2;"), 2, 10)
+
+
+def test_one_process_loads_every_row() -> None:
+    mesh = make_mesh((8,), ("data",), explicit=False)
+    sharding = NamedSharding(mesh, P("data", None))
+    batches = Batches(encode(arithmetic_text(200)), batch_size=16, length=8)
+    assert batches.local_rows(sharding) == (0, 16)

@@ -13,7 +13,7 @@ from nnxscale.memory import CompiledMemory, device_bytes
 from nnxscale.mesh import strategy_mesh
 from nnxscale.model import TINY, create
 from nnxscale.rules import DP, FSDP, FSDP_TP, TP
-from nnxscale.train import Trainer, TrainState, loss_and_grads, params_by_path
+from nnxscale.train import Trainer, TrainState, largest_difference, loss_and_grads, params_by_path
 
 STEPS = 4
 BATCHES = Batches(encode(arithmetic_text(2000)), batch_size=16, length=32)
@@ -124,3 +124,10 @@ def test_time_steps_runs_the_steps_it_times() -> None:
     times = run.time_steps(BATCHES, 2, first=1)
     assert len(times) == 2 and all(t > 0 for t in times)
     assert run.step_count() == 3
+
+
+def test_largest_difference_reads_keys_and_any_devices() -> None:
+    a = {"w": jax.numpy.ones(3), "key": jax.random.key(0)}
+    b = {"w": jax.device_put(jax.numpy.ones(3) * 1.5, jax.devices()[1]), "key": jax.random.key(0)}
+    assert largest_difference(a, b) == 0.5
+    assert largest_difference(a, a) == 0.0
