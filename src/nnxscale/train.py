@@ -67,7 +67,13 @@ class TrainState(nnx.Module):
         return model
 
 
-def adamw(learning_rate: float = 3e-3, weight_decay: float = 1e-4) -> optax.GradientTransformation:
+LEARNING_RATE = 3e-3
+"""The chapters' learning rate: one AdamW step moves a weight by about this much."""
+
+
+def adamw(
+    learning_rate: float = LEARNING_RATE, weight_decay: float = 1e-4
+) -> optax.GradientTransformation:
     """The optimizer the chapters train with: AdamW with a small weight decay."""
     return optax.adamw(learning_rate, weight_decay=weight_decay)
 
