@@ -7,12 +7,14 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
 from nnxscale.launch import LaunchError, how_it_ended, launch, start
 
 WORKER = [sys.executable, "-m", "nnxscale.cli", "collective"]
+SLEEPER = [sys.executable, "-c", "import os, time; print(os.getpid(), flush=True); time.sleep(60)"]
 
 
 def gone(pid: int) -> bool:
@@ -22,6 +24,15 @@ def gone(pid: int) -> bool:
     except ProcessLookupError:
         return True
     return False
+
+
+def running(pid: int) -> bool:
+    """Whether a process with this pid runs (a zombie, dead but not yet reaped, does not)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
 @pytest.mark.parametrize(("processes", "devices"), [(2, 4), (4, 2)])
@@ -63,6 +74,23 @@ def test_the_command_line_exits_non_zero_and_says_why() -> None:
     )  # fmt: skip
     assert done.returncode == 1
     assert "launch failed: process 1 (pid" in done.stderr and "exit status 3" in done.stderr
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="workers follow the launcher through Linux")
+@pytest.mark.parametrize("stop", [signal.SIGKILL, signal.SIGTERM], ids=["SIGKILL", "SIGTERM"])
+def test_workers_die_with_the_launcher(stop: signal.Signals) -> None:
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "nnxscale.launch", "-n", "2", "--devices", "1", "--", *SLEEPER],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    pids = [int(launcher.stdout.readline().split()[-1]) for _ in range(2)]
+    assert all(running(pid) for pid in pids)
+    launcher.send_signal(stop)
+    assert launcher.wait(timeout=30) == (-stop if stop == signal.SIGKILL else 128 + stop)
+    deadline = time.monotonic() + 10
+    while any(running(pid) for pid in pids):
+        assert time.monotonic() < deadline, f"workers {pids} outlived their launcher"
+        time.sleep(0.05)
 
 
 def test_how_it_ended() -> None:

@@ -6,12 +6,14 @@ port for the coordinator and passes each worker its part through the environment
 the worker calls `initialize()` before anything else touches JAX. Output is streamed line by
 line with a `[process i]` prefix. When a worker fails (non-zero exit, killed by a signal) or
 the run takes longer than its timeout, the launcher kills every worker still running, waits
-for all of them, and raises `LaunchError` naming which worker ended how.
+for all of them, and raises `LaunchError` naming which worker ended how. Should the launcher
+itself die, even by SIGKILL, Linux kills its workers too (`PR_SET_PDEATHSIG`).
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import dataclasses
 import os
 import signal
@@ -21,10 +23,15 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
+from functools import partial
 
 COORDINATOR, PROCESSES, PROCESS_ID = (
     "NNXSCALE_COORDINATOR", "NNXSCALE_PROCESSES", "NNXSCALE_PROCESS_ID"
 )  # fmt: skip
+
+
+PR_SET_PDEATHSIG = 1
+"""prctl(2) option: the signal the kernel sends a process when the thread that started it exits."""
 
 
 class LaunchError(RuntimeError):
@@ -48,6 +55,13 @@ def initialize() -> tuple[int, int]:
     index, count = int(os.environ[PROCESS_ID]), int(os.environ[PROCESSES])
     jax.distributed.initialize(os.environ[COORDINATOR], num_processes=count, process_id=index)
     return index, count
+
+
+def die_with(launcher: int, prctl: Callable[..., int]) -> None:
+    """In a new worker, before it runs: have Linux SIGKILL it when the launcher dies."""
+    prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != launcher:  # the launcher died before the request took effect
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def how_it_ended(returncode: int) -> str:
@@ -106,10 +120,17 @@ def start(
     command: Sequence[str], processes: int, devices: int, *,
     echo: Callable[[str], None] | None = print, env: dict[str, str] | None = None,
 ) -> Run:  # fmt: skip
-    """Start `processes` copies of `command`, each with `devices` emulated devices."""
+    """Start `processes` copies of `command`, each with `devices` emulated devices.
+
+    Call `wait` on the result from the same thread: on Linux a worker is killed when the
+    thread that started it ends.
+    """
     if processes < 1 or devices < 1:
         raise ValueError(f"need at least 1 process and 1 device each, got {processes}, {devices}")
     coordinator = f"localhost:{free_port()}"
+    guard = None
+    if sys.platform == "linux":  # looked up here: the forked child should only make syscalls
+        guard = partial(die_with, os.getpid(), ctypes.CDLL(None, use_errno=True).prctl)
     run = Run([])
     for index in range(processes):
         worker_env = {**os.environ, **(env or {}), COORDINATOR: coordinator,
@@ -117,7 +138,7 @@ def start(
                       "NNXSCALE_DEVICES": str(devices), "PYTHONUNBUFFERED": "1"}  # fmt: skip
         worker = subprocess.Popen(
             list(command), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-            env=worker_env,
+            env=worker_env, preexec_fn=guard,
         )  # fmt: skip
         run.workers.append(worker)
 
@@ -152,8 +173,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("command", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    # Stopped with SIGTERM (as by a scheduler), exit through `wait`'s cleanup like Ctrl-C.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     try:
-        launch(command, args.processes, args.devices, timeout=args.timeout)
+        launch(command, args.processes, args.devices, timeout=args.timeout,
+               echo=partial(print, flush=True))  # fmt: skip
     except LaunchError as error:
         print(f"launch failed: {error}", file=sys.stderr)
         sys.exit(1)
