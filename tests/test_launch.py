@@ -93,5 +93,26 @@ def test_workers_die_with_the_launcher(stop: signal.Signals) -> None:
         time.sleep(0.05)
 
 
+def test_launching_from_a_process_running_jax_warns_of_nothing() -> None:
+    # A fork in a process running JAX makes JAX warn of deadlocks (a chapter launches from its
+    # kernel); the launcher must only spawn. Every warning shown: none may appear.
+    launches = (
+        "import sys, jax; jax.numpy.ones(2).block_until_ready()\n"
+        "from nnxscale.launch import launch\n"
+        "print(launch([sys.executable, '-c', 'print(7)'], 2, 1, echo=None))"
+    )
+    done = subprocess.run([sys.executable, "-W", "always", "-c", launches],
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "['[process 0] 7', '[process 1] 7']"
+    assert done.stderr == ""
+
+
+def test_a_command_that_cannot_run_is_named() -> None:
+    named = r"(?s)process 0 .* exit status 1.*cannot run no-such-prog"
+    with pytest.raises(LaunchError, match=named):
+        launch(["no-such-prog"], 1, 1, timeout=60, echo=None)
+
+
 def test_how_it_ended() -> None:
     assert how_it_ended(-9) == "killed by SIGKILL" and how_it_ended(2) == "exit status 2"

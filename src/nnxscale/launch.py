@@ -7,7 +7,9 @@ the worker calls `initialize()` before anything else touches JAX. Output is stre
 line with a `[process i]` prefix. When a worker fails (non-zero exit, killed by a signal) or
 the run takes longer than its timeout, the launcher kills every worker still running, waits
 for all of them, and raises `LaunchError` naming which worker ended how. Should the launcher
-itself die, even by SIGKILL, Linux kills its workers too (`PR_SET_PDEATHSIG`).
+itself die, even by SIGKILL, Linux kills its workers too: each worker starts as a small
+stdlib-only Python that asks for that (`PR_SET_PDEATHSIG`) and then execs the command, so the
+launcher never forks (a fork in a process running JAX would make JAX warn of deadlocks).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from functools import partial
+from typing import NoReturn
 
 COORDINATOR, PROCESSES, PROCESS_ID = (
     "NNXSCALE_COORDINATOR", "NNXSCALE_PROCESSES", "NNXSCALE_PROCESS_ID"
@@ -57,11 +60,24 @@ def initialize() -> tuple[int, int]:
     return index, count
 
 
-def die_with(launcher: int, prctl: Callable[..., int]) -> None:
-    """In a new worker, before it runs: have Linux SIGKILL it when the launcher dies."""
-    prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+def exec_dying_with(launcher: int, command: Sequence[str]) -> NoReturn:
+    """In a new worker: have Linux SIGKILL it when the launcher dies, then become `command`."""
+    if ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL) != 0:
+        sys.exit(f"prctl(PR_SET_PDEATHSIG) failed: {os.strerror(ctypes.get_errno())}")
     if os.getppid() != launcher:  # the launcher died before the request took effect
-        os.kill(os.getpid(), signal.SIGKILL)
+        sys.exit(f"the launcher (pid {launcher}) is gone; not starting {command[0]}")
+    try:
+        os.execvp(command[0], list(command))  # the same process: pid and death signal stay
+    except OSError as error:
+        sys.exit(f"cannot run {command[0]}: {error}")
+
+
+def guarded(command: Sequence[str]) -> list[str]:
+    """`command`, on Linux wrapped to die with this process (see `exec_dying_with`)."""
+    if sys.platform != "linux":
+        return list(command)
+    # -I: the wrapper needs only the standard library, whatever the environment holds.
+    return [sys.executable, "-I", __file__, "--die-with", str(os.getpid()), "--", *command]
 
 
 def how_it_ended(returncode: int) -> str:
@@ -128,27 +144,25 @@ def start(
     if processes < 1 or devices < 1:
         raise ValueError(f"need at least 1 process and 1 device each, got {processes}, {devices}")
     coordinator = f"localhost:{free_port()}"
-    guard = None
-    if sys.platform == "linux":  # looked up here: the forked child should only make syscalls
-        guard = partial(die_with, os.getpid(), ctypes.CDLL(None, use_errno=True).prctl)
     run = Run([])
     for index in range(processes):
         worker_env = {**os.environ, **(env or {}), COORDINATOR: coordinator,
                       PROCESSES: str(processes), PROCESS_ID: str(index),
                       "NNXSCALE_DEVICES": str(devices), "PYTHONUNBUFFERED": "1"}  # fmt: skip
         worker = subprocess.Popen(
-            list(command), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-            env=worker_env, preexec_fn=guard,
+            guarded(command), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            env=worker_env,
         )  # fmt: skip
         run.workers.append(worker)
 
         def read(stream=worker.stdout, prefix=f"[process {index}] ") -> None:
-            for line in stream:
-                line = prefix + line.rstrip("\n")
-                with run._lock:
-                    run.output.append(line)
-                if echo is not None:
-                    echo(line)
+            with stream:
+                for line in stream:
+                    line = prefix + line.rstrip("\n")
+                    with run._lock:
+                        run.output.append(line)
+                    if echo is not None:
+                        echo(line)
 
         reader = threading.Thread(target=read, daemon=True)
         reader.start()
@@ -170,9 +184,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("-n", "--processes", type=int, default=2)
     parser.add_argument("--devices", type=int, default=4, help="emulated devices per process")
     parser.add_argument("--timeout", type=float, default=300)
+    parser.add_argument("--die-with", type=int, metavar="PID", help=argparse.SUPPRESS)
     parser.add_argument("command", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if not command:
+        parser.error("no command to run; put it after --")
+    if args.die_with is not None:  # a worker's wrapper, started by `guarded`
+        exec_dying_with(args.die_with, command)
     # Stopped with SIGTERM (as by a scheduler), exit through `wait`'s cleanup like Ctrl-C.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     try:
