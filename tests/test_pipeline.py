@@ -54,6 +54,10 @@ def test_pipelined_gradients_equal_the_unpipelined(reference, schedule, shape) -
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0, atol=1e-6)
     report = collectives(run.lower(model, TOKENS).compile())
     assert report.count("collective-permute") > 0
+    if shape[1]:  # FSDP inside the stages: each array gathered and reduce-scattered once a step
+        arrays = len(jax.tree.leaves(ref_grads))
+        assert report.count("all-gather") == report.count("reduce-scatter") == arrays
+        assert report.bytes("all-gather") == report.bytes("reduce-scatter")
 
 
 def test_the_tick_table_runs_every_task_once() -> None:

@@ -9,7 +9,9 @@ a backward pass that recomputes that forward from the saved stage input), then e
 sends its output forward and its input gradient backward with `ppermute`. All devices run the
 same program, so each tick computes both passes and keeps the one its task asks for. The
 buffers for saved inputs and messages hold as many micro-batches as the schedule keeps in
-flight: m for GPipe, p for 1F1B.
+flight: m for GPipe, p for 1F1B. With `fsdp`, each device gathers its stage's weights once
+per step, before the ticks, and the gradients summed over the ticks are reduce-scattered
+once, after them (autodiff's transpose of that gather).
 """
 
 from __future__ import annotations
@@ -74,20 +76,14 @@ def tick_table(schedule: Schedule) -> tuple[np.ndarray, np.ndarray]:
 
 def _stage_loss(
     params: nnx.State, x_in: jax.Array, tokens: jax.Array, graphdef: nnx.GraphDef,
-    rest: nnx.State, specs: nnx.State, scale: float, inner: str | None,
+    rest: nnx.State, block_specs: nnx.State, scale: float,
 ) -> tuple[jax.Array, jax.Array]:  # fmt: skip
     """This device's stage on one micro-batch: (its output, its share of the loss if last)."""
     stage, stages = jax.lax.axis_index(STAGE), jax.lax.axis_size(STAGE)
-    if inner is not None:  # FSDP inside the stage: gather the small outer arrays first
-        outer = {k: v for k, v in params.items() if k != "blocks"}
-        outer_specs = nnx.State({k: v for k, v in specs.items() if k != "blocks"})
-        params = nnx.State({**fsdp.gather_tree(nnx.State(outer), outer_specs, inner),
-                            "blocks": params["blocks"]})  # fmt: skip
     model: Transformer = nnx.merge(graphdef, params, rest)
     x = jnp.where(stage == 0, model.embed_tokens(tokens[:, :-1]), x_in)
-    # The stage's layers in a scan; with FSDP inside the stage, each gathered just before use.
-    options = fsdp.Options(axis=inner or FSDP_AXIS, regather=False)
-    y = fsdp.run_layers(model.blocks, specs["blocks"], x, None, options)
+    # The stage's layers in a scan; their weights are whole here, so nothing is gathered.
+    y = fsdp.run_layers(model.blocks, block_specs, x, None, fsdp.Options(regather=False))
     loss = cross_entropy(model.unembed(y), tokens[:, 1:]) * scale
     return y, jnp.where(stage == stages - 1, loss, 0.0)
 
@@ -112,19 +108,29 @@ def loss_and_grads(
     rows = mesh.shape[FSDP_AXIS] if inner else 1
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     specs = resolve(params, PP_FSDP if inner else PP, mesh).specs
+    block_specs = resolve(params, PP, mesh).specs["blocks"]  # a stage's weights once gathered
     what, micro = tick_table(schedule)
     slots = max(simulate(schedule).peak_in_flight())
     micro_batches = batch.reshape(m, batch.shape[0] // m, batch.shape[1])
     scale = 1.0 / (m * rows)
 
-    def per_device(params: nnx.State, tokens: jax.Array):
+    on_every_stage = jax.tree.map(lambda s: STAGE not in tuple(s), specs)
+
+    def whole(shards: nnx.State) -> nnx.State:
+        """This stage's weights: marked as varying over `stage`, then gathered over `fsdp`."""
+        shards = jax.tree.map(lambda x, r: jax.lax.pcast(x, STAGE, to="varying") if r else x,
+                              shards, on_every_stage)  # fmt: skip
+        return fsdp.gather_tree(shards, specs, inner) if inner else shards
+
+    def per_device(shards: nnx.State, tokens: jax.Array):
         d = jax.lax.axis_index(STAGE)
-        on_every_stage = jax.tree.map(lambda s: STAGE not in tuple(s), specs)
-        params = jax.tree.map(lambda x, r: jax.lax.pcast(x, STAGE, to="varying") if r else x,
-                              params, on_every_stage)  # fmt: skip
+        # Once per step, before the ticks; the transposes of `whole` run once after them, on
+        # the summed gradients: reduce-scatter over `fsdp`, then the shards of the arrays every
+        # stage holds (embeddings, head) summed over `stage`.
+        params, to_shards = jax.vjp(whole, shards)
 
         def stage(params: nnx.State, x: jax.Array, tok: jax.Array):
-            return _stage_loss(params, x, tok, graphdef, rest, specs, scale, inner)
+            return _stage_loss(params, x, tok, graphdef, rest, block_specs, scale)
 
         shape = jax.eval_shape(stage, params, jnp.zeros((), jnp.float32), tokens[0])[0]
         zeros = jnp.zeros(shape.shape, shape.dtype)
@@ -165,9 +171,8 @@ def loss_and_grads(
         (_, _, _, grads, loss), _ = jax.lax.scan(
             tick, start, (jnp.asarray(what), jnp.asarray(micro))
         )
-        grads = jax.tree.map(lambda g, r: jax.lax.psum(g, STAGE) if r else g, grads, on_every_stage)
         axes = (STAGE, inner) if inner else STAGE
-        return jax.lax.psum(loss, axes), grads
+        return jax.lax.psum(loss, axes), to_shards(grads)[0]
 
     token_spec = PartitionSpec(None, inner, None)
     return jax.shard_map(
