@@ -7,8 +7,8 @@ stage use them. The schedule is simulated with unit task costs into a table of c
 every tick, each device runs its task (a forward pass of a micro-batch through its layers, or
 a backward pass that recomputes that forward from the saved stage input), then every device
 sends its output forward and its input gradient backward with `ppermute`. All devices run the
-same program, so each tick computes both passes and keeps the one its task asks for. The
-buffers for saved inputs and messages hold as many micro-batches as the schedule keeps in
+same program; a `lax.switch` on the task (an XLA conditional) has each compute only its own
+pass. The buffers for saved inputs and messages hold as many micro-batches as the schedule keeps in
 flight: m for GPipe, p for 1F1B. With `fsdp`, each device gathers its stage's weights once
 per step, before the ticks, and the gradients summed over the ticks are reduce-scattered
 once, after them (autodiff's transpose of that gather).
@@ -133,10 +133,9 @@ def loss_and_grads(
             return _stage_loss(params, x, tok, graphdef, rest, block_specs, scale)
 
         shape = jax.eval_shape(stage, params, jnp.zeros((), jnp.float32), tokens[0])[0]
-        zeros = jnp.zeros(shape.shape, shape.dtype)
         varying = tuple(a for a in (STAGE, inner) if a)
-        buffers = jax.lax.pcast(jnp.zeros((slots, *shape.shape), shape.dtype), varying,
-                                to="varying")  # fmt: skip
+        zeros = jax.lax.pcast(jnp.zeros(shape.shape, shape.dtype), varying, to="varying")
+        buffers = jnp.stack([zeros] * slots)
 
         ahead = [(s, s + 1) for s in range(p - 1)]  # ppermute pairs: to the next stage
         back = [(s + 1, s) for s in range(p - 1)]  # and to the previous one
@@ -149,20 +148,26 @@ def loss_and_grads(
             inputs, grads_in, saved, grads, loss = carry
             task, i = row[0][d], row[1][d]  # this device's task at this tick
             forward, backward, slot = task == RUN_FORWARD, task == RUN_BACKWARD, i % slots
-            # Forward pass of micro-batch i: keep its stage input for the backward pass.
-            y, part = stage(params, inputs[slot], tokens[i])
+
+            def idle():
+                return zeros, loss, grads, zeros
+
+            def run_forward():  # micro-batch i through the stage; its input is kept below
+                y, part = stage(params, inputs[slot], tokens[i])
+                return y, loss + part, grads, zeros
+
+            def run_backward():  # recompute the stage from its saved input, then pull back
+                _, pullback = jax.vjp(lambda p_, x_: stage(p_, x_, tokens[i]), params, saved[slot])
+                g_params, g_x = pullback((grads_in[slot], jnp.ones_like(loss)))
+                return zeros, loss, jax.tree.map(jnp.add, grads, g_params), g_x
+
+            # Each device runs only the branch its task names: a conditional, not a select.
+            y, loss, grads, g_x = jax.lax.switch(task, (idle, run_forward, run_backward))
             saved = saved.at[slot].set(jnp.where(forward, inputs[slot], saved[slot]))
-            loss = loss + jnp.where(forward, part, 0.0)
-            # Backward pass of micro-batch i: recompute the stage from its input, pull back.
-            _, pullback = jax.vjp(lambda p_, x_: stage(p_, x_, tokens[i]), params, saved[slot])
-            g_params, g_x = pullback((grads_in[slot], jnp.ones_like(part)))
-            grads = jax.tree.map(lambda g, n: g + jnp.where(backward, n, 0.0), grads, g_params)
             # Hand-overs: outputs to the next stage, input gradients to the previous one.
-            sent = [jax.lax.ppermute(v, STAGE, ahead) for v in (jnp.where(forward, y, zeros), i,
-                                                              forward)]  # fmt: skip
+            sent = [jax.lax.ppermute(v, STAGE, ahead) for v in (y, i, forward)]
             inputs = receive(inputs, *sent)
-            sent = [jax.lax.ppermute(v, STAGE, back) for v in (jnp.where(backward, g_x, zeros),
-                                                             i, backward)]  # fmt: skip
+            sent = [jax.lax.ppermute(v, STAGE, back) for v in (g_x, i, backward)]
             grads_in = receive(grads_in, *sent)
             return (inputs, grads_in, saved, grads, loss), None
 
