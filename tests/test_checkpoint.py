@@ -252,8 +252,17 @@ def test_resume_from_the_command_line_after_a_crash(tmp_path: Path) -> None:
     out = cli.run("train", str(directory), "--steps", "4", "--save-every", "2",
                   "--batch-size", "8", devices=4)  # fmt: skip
     assert "resumed from step 2" in out
-    redone = {int(m[1]): float(m[2]) for m in map(cli.LOSS.match, out.splitlines()) if m}
+    redone = cli.losses_in(out.splitlines())
     assert redone == {2: crash.losses[2], 3: crash.losses[3]}
-    final = [line for line in out.splitlines() if line.startswith("saving step 4")]
-    assert json.loads(final[0].split("checksums ", 1)[1]) == crash.checksums[4]
+    assert cli.checksums_in(out.splitlines())[4] == crash.checksums[4]
     assert np.isfinite(list(redone.values())).all()
+
+
+def test_a_trainers_output_is_read_back() -> None:
+    lines = [
+        "[process 1] step 0 loss 5.5", "[process 0] step 0 loss 9.0",
+        "[process 1] step 1 loss 4.25", 'saving step 2 (blocked 3 ms) checksums {"model/a": "01"}',
+    ]  # fmt: skip
+    assert cli.losses_in(lines, "[process 1] ") == {0: 5.5, 1: 4.25}
+    assert cli.losses_in(lines) == {}  # prefixed lines are not read without their prefix
+    assert cli.checksums_in(lines) == {2: {"model/a": "01"}}

@@ -19,7 +19,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import jax
@@ -38,6 +38,18 @@ from nnxscale.train import Trainer, TrainState, adamw
 
 SAVING = re.compile(r"^saving step (\d+)")
 LOSS = re.compile(r"^step (\d+) loss (\S+)")
+
+
+def losses_in(lines: Iterable[str], prefix: str = "") -> dict[int, float]:
+    """Step -> loss, from a trainer's output lines (one process's, with its launcher prefix)."""
+    found = (LOSS.match(line.removeprefix(prefix)) for line in lines)
+    return {int(m[1]): float(m[2]) for m in found if m}
+
+
+def checksums_in(lines: Iterable[str]) -> dict[int, dict[str, str]]:
+    """Step -> the checksums a trainer printed as it started saving that step."""
+    return {int(m[1]): json.loads(line.split("checksums ", 1)[1])
+            for line in lines if (m := SAVING.match(line))}  # fmt: skip
 
 
 def _train(args: argparse.Namespace) -> None:
@@ -172,7 +184,7 @@ def crash_during_save(
     child = subprocess.Popen(
         command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1
     )
-    output, losses, sums = [], {}, {}
+    output = []
     timer = threading.Timer(timeout, child.kill)
     timer.start()
     try:
@@ -180,15 +192,12 @@ def crash_during_save(
             if (saving := SAVING.match(line)) and int(saving[1]) == steps:
                 os.kill(child.pid, signal.SIGKILL)
             output.append(line.rstrip("\n"))
-            if loss := LOSS.match(line):
-                losses[int(loss[1])] = float(loss[2])
-            if saving:
-                sums[int(saving[1])] = json.loads(line.split("checksums ", 1)[1])
     finally:
         timer.cancel()
         if child.poll() is None:
             child.kill()
         child.wait()
+    sums = checksums_in(output)
     if child.returncode == -signal.SIGKILL and steps not in sums:
         raise TimeoutError(f"{' '.join(command[1:])} ran over {timeout} s and was killed")
     if child.returncode != -signal.SIGKILL:
@@ -196,7 +205,7 @@ def crash_during_save(
             f"the training run ended with {child.returncode} before its step-{steps} save "
             "could be interrupted:\n" + "\n".join(output)
         )
-    return Crash(output, losses, sums, steps, child.returncode)
+    return Crash(output, losses_in(output), sums, steps, child.returncode)
 
 
 if __name__ == "__main__":
