@@ -27,9 +27,17 @@ def reference() -> tuple[jax.Array, nnx.State]:
 
 
 def placed(mesh) -> nnx.Module:
-    graphdef, state = nnx.split(create(CFG))
-    rules = pipeline.PP_FSDP if pipeline.FSDP_AXIS in mesh.axis_names else pipeline.PP
-    return nnx.merge(graphdef, jax.device_put(state, resolve(state, rules, mesh).shardings()))
+    return pipeline.placed(create(CFG), mesh)
+
+
+def test_placed_lays_the_model_out_by_the_rules_its_mesh_implies() -> None:
+    for mesh, rules in ((pipeline.pipeline_mesh(2), pipeline.PP),
+                        (pipeline.pipeline_mesh(2, 2), pipeline.PP_FSDP)):  # fmt: skip
+        assert pipeline.rules_for(mesh) is rules
+        state = nnx.state(placed(mesh))
+        expected = resolve(state, rules, mesh).shardings()
+        assert jax.tree.all(jax.tree.map(lambda x, s: x.sharding.is_equivalent_to(s, x.ndim),
+                                         state, expected))  # fmt: skip
 
 
 CASES = [

@@ -30,7 +30,7 @@ from nnxscale.mesh import make_mesh
 from nnxscale.model import Transformer
 from nnxscale.rules import Rules
 from nnxscale.schedules import FORWARD, Schedule, ScheduleError, simulate, split_layers
-from nnxscale.train import GradsFn, cross_entropy
+from nnxscale.train import GradsFn, cross_entropy, place
 
 STAGE, FSDP_AXIS = "stage", "fsdp"
 IDLE, RUN_FORWARD, RUN_BACKWARD = 0, 1, 2
@@ -57,6 +57,17 @@ def pipeline_mesh(stages: int, fsdp_size: int = 0) -> Mesh:
             f"there are {jax.device_count()}: use fewer stages or a smaller fsdp axis."
         )
     return make_mesh(shape, names, explicit=False, devices=jax.devices()[:count])
+
+
+def rules_for(mesh: Mesh) -> Rules:
+    """The layout the executor expects on `mesh`: `PP_FSDP` if it has an `fsdp` axis, else `PP`."""
+    return PP_FSDP if FSDP_AXIS in mesh.axis_names else PP
+
+
+def placed(model: Transformer, mesh: Mesh) -> Transformer:
+    """`model` with its arrays moved into the layout the executor expects on `mesh`."""
+    graphdef, state = nnx.split(model)
+    return nnx.merge(graphdef, place(state, resolve(state, rules_for(mesh), mesh).shardings()))
 
 
 def tick_table(schedule: Schedule) -> tuple[np.ndarray, np.ndarray]:
@@ -93,8 +104,8 @@ def loss_and_grads(
 ) -> tuple[jax.Array, nnx.State]:
     """Mean loss and gradients of `model` on `batch`, pipelined by `schedule` over `stage`.
 
-    The parameters must be laid out by `PP` (mesh with `stage`) or `PP_FSDP` (mesh with
-    `stage` and `fsdp`); the gradients come back in the same layout.
+    The parameters must be laid out by `rules_for(mesh)` (`placed` does that): `PP`, or
+    `PP_FSDP` on a mesh with `stage` and `fsdp`; the gradients come back in the same layout.
     """
     if not model.cfg.scan_layers:
         raise ValueError("the executor splits stacked layers: use Config(scan_layers=True)")
@@ -107,7 +118,7 @@ def loss_and_grads(
     inner = FSDP_AXIS if FSDP_AXIS in mesh.axis_names else None
     rows = mesh.shape[FSDP_AXIS] if inner else 1
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-    specs = resolve(params, PP_FSDP if inner else PP, mesh).specs
+    specs = resolve(params, rules_for(mesh), mesh).specs
     block_specs = resolve(params, PP, mesh).specs["blocks"]  # a stage's weights once gathered
     what, micro = tick_table(schedule)
     slots = max(simulate(schedule).peak_in_flight())
