@@ -14,6 +14,12 @@ CONFIG = yaml.safe_load((ROOT / "_config.yml").read_text())
 REPOSITORY = CONFIG["repository"]["url"]
 BRANCH = CONFIG["repository"]["branch"]
 
+KERNEL_PACKAGES = ("ipykernel",)
+"""What every Jupyter and Colab runtime has besides Python: the kernel, which brings IPython.
+The Colab simulation gives its kernel these and nothing else; the setup cell installs the
+rest, so a chapter may import only the standard library, the kernel's packages and what
+`pip install nnxscale` brings."""
+
 SETUP_CELL = """\
 # Setup: on Colab, install the book's library; everywhere, emulate devices before JAX starts.
 import importlib.util

@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import ast
 import json
+import re
+import sys
+import tomllib
+from importlib import metadata
 from pathlib import Path
 
 import jupytext
 import pytest
 import yaml
 
-from book import CHAPTERS, ROOT, setup_cell, tracked
+from book import CHAPTERS, KERNEL_PACKAGES, ROOT, setup_cell, tracked
 
 NAMES = [c.stem for c in CHAPTERS]
 
@@ -49,3 +54,38 @@ def test_first_code_cell_is_the_hidden_setup_cell(md: Path) -> None:
     code = [c for c in jupytext.read(md).cells if c.cell_type == "code"]
     assert code[0].source.strip() == setup_cell()
     assert code[0].metadata.get("tags") == ["hide-cell"]
+
+
+def distribution(requirement: str) -> str:
+    """The normalised distribution name of a requirement such as `orbax-checkpoint>=0.11`."""
+    return re.split(r"[<>=!~\[; ]", requirement, maxsplit=1)[0].lower().replace("_", "-")
+
+
+def installable_distributions() -> set[str]:
+    """What a reader's kernel has: nnxscale's declared dependencies, the kernel and its own."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    declared = {distribution(r) for r in project["dependencies"]}
+    kernel = {distribution(r) for name in KERNEL_PACKAGES
+              for r in metadata.requires(name) or [] if "extra ==" not in r}  # fmt: skip
+    return declared | kernel | set(KERNEL_PACKAGES) | {"nnxscale"}
+
+
+@pytest.mark.parametrize("md", CHAPTERS, ids=NAMES)
+def test_every_import_is_a_declared_dependency(md: Path) -> None:
+    providers = metadata.packages_distributions()
+    allowed = installable_distributions()
+    undeclared = {}
+    for cell in jupytext.read(md).cells:
+        if cell.cell_type != "code":
+            continue
+        for node in ast.walk(ast.parse(cell.source)):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            if isinstance(node, ast.ImportFrom) and node.level == 0:
+                names = [node.module]
+            for top in {name.split(".")[0] for name in names}:
+                if top in sys.stdlib_module_names:
+                    continue
+                dists = {distribution(d) for d in providers.get(top, [top])}
+                if not dists & allowed:
+                    undeclared[top] = sorted(dists)
+    assert not undeclared, f"imports that `pip install nnxscale` does not bring: {undeclared}"

@@ -1,10 +1,13 @@
 """ "Run all" of each committed notebook, the way Colab runs it, offline.
 
-The kernel runs in a throwaway virtual environment that sees this environment's packages (as
-Colab's runtime has JAX, Flax and friends preinstalled) but not `nnxscale`. A stub
-`google.colab` module is imported at kernel start, as on Colab, so the setup cell takes its
-Colab branch: it pip-installs `nnxscale` (from a copy of this checkout, with no package index)
-and forces the CPU platform although the kernel was told to use a GPU.
+The kernel runs in a throwaway virtual environment that holds Python, a Jupyter kernel
+(`KERNEL_PACKAGES`) and nothing else: no JAX, no Flax, no build tool. The setup cell must
+install everything the chapter imports, as `pip install nnxscale` from a copy of this
+checkout, which brings the package's declared dependencies. Packages come from a local
+folder of wheels (the book's pinned versions, downloaded once), never from an index, so the
+run is offline and the versions are the book's. A stub `google.colab` module is imported at
+kernel start, as on Colab, so the setup cell takes its Colab branch, and JAX is told to use
+a GPU that is not there, as on a Colab GPU runtime, so the setup cell must switch to CPU.
 """
 
 from __future__ import annotations
@@ -12,33 +15,42 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import sysconfig
 from pathlib import Path
 
 import nbformat
 import pytest
 from nbclient import NotebookClient
 
-from book import CHAPTERS, copy_checkout
+from book import CHAPTERS, KERNEL_PACKAGES, ROOT, copy_checkout
 
 pytestmark = pytest.mark.book
 
 
+def pinned(destination: Path) -> Path:
+    """requirements.txt as a constraints file: every pin, without the editable install."""
+    pins = [line for line in (ROOT / "requirements.txt").read_text().splitlines()
+            if line.strip() and not line.startswith(("#", "-e"))]  # fmt: skip
+    destination.write_text("\n".join(pins) + "\n")
+    return destination
+
+
 @pytest.fixture(scope="module")
 def colab(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """A Colab-like kernel: throwaway venv, preinstalled packages, google.colab stub."""
+    """A Colab-like kernel: a venv with only a kernel, a wheel folder, a google.colab stub."""
     base = tmp_path_factory.mktemp("colab")
+    checkout = copy_checkout(base / "checkout")
+    wheels = base / "wheels"
+    # What the setup cell and the kernel may install, at the book's pinned versions.
+    download = [sys.executable, "-m", "pip", "download", "-q", "-d", str(wheels),
+                "-c", str(pinned(base / "constraints.txt")), str(checkout), "setuptools",
+                *KERNEL_PACKAGES]  # fmt: skip
+    subprocess.run(download, check=True, capture_output=True, text=True, timeout=1200)
     venv = base / "venv"
-    # No pip of its own: pip, setuptools and the rest come from the preinstalled packages below.
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
     python = venv / "bin" / "python"
-    site = subprocess.run(
-        [python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-        capture_output=True, text=True, check=True,
-    ).stdout.strip()  # fmt: skip
-    # Preinstalled packages, as on Colab; .pth files there are not run, so nnxscale's editable
-    # install stays invisible.
-    Path(site, "colab_preinstalled.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    offline = ["--no-index", "--find-links", str(wheels), "--disable-pip-version-check"]
+    install = [python, "-m", "pip", "install", "-q", *offline, *KERNEL_PACKAGES]
+    subprocess.run(install, check=True, capture_output=True, text=True, timeout=1200)
     stub = base / "stub" / "google" / "colab"
     stub.mkdir(parents=True)
     (stub / "__init__.py").write_text('"""Stand-in for the module Colab imports at start."""\n')
@@ -55,9 +67,9 @@ def colab(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         "env": {
             "PYTHONPATH": str(base / "stub"),
             "IPYTHONDIR": str(base / "ipython"),
-            "NNXSCALE_SOURCE": str(copy_checkout(base / "checkout")),
-            "PIP_NO_INDEX": "1",  # offline: everything else must already be installed
-            "PIP_NO_BUILD_ISOLATION": "0",  # build with the preinstalled setuptools
+            "NNXSCALE_SOURCE": str(checkout),
+            "PIP_NO_INDEX": "1",  # offline: only the wheel folder
+            "PIP_FIND_LINKS": str(wheels),
             "PIP_DISABLE_PIP_VERSION_CHECK": "1",
             "JAX_PLATFORMS": "cuda",  # a GPU runtime: the setup cell must switch to CPU
         },
@@ -68,12 +80,12 @@ def colab(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return {"jupyter": base / "jupyter", "content": content, "venv": venv}
 
 
-def test_the_colab_kernel_cannot_import_nnxscale_before_setup(colab: dict[str, Path]) -> None:
-    probe = subprocess.run(
-        [colab["venv"] / "bin" / "python", "-c", "import jax, flax, nnxscale"],
-        capture_output=True, text=True,
-    )  # fmt: skip
-    assert "No module named 'nnxscale'" in probe.stderr
+def test_the_colab_kernel_has_a_kernel_and_nothing_else(colab: dict[str, Path]) -> None:
+    python = colab["venv"] / "bin" / "python"
+    for module in ("nnxscale", "jax", "flax", "matplotlib", "myst_nb", "jupyter_book"):
+        probe = subprocess.run([python, "-c", f"import {module}"], capture_output=True, text=True)
+        assert f"No module named '{module}'" in probe.stderr, module
+    assert subprocess.run([python, "-c", "import ipykernel, IPython"]).returncode == 0
 
 
 @pytest.mark.parametrize("md", CHAPTERS, ids=[c.stem for c in CHAPTERS])
@@ -82,6 +94,7 @@ def test_run_all_as_on_colab(
 ) -> None:
     monkeypatch.setenv("JUPYTER_PATH", str(colab["jupyter"]))
     monkeypatch.delenv("NNXSCALE_DEVICES", raising=False)
+    monkeypatch.delenv("NNXSCALE_BOOK_BUILD", raising=False)
     notebook = nbformat.read(md.with_suffix(".ipynb"), as_version=4)
     check = nbformat.v4.new_code_cell(
         "import jax, nnxscale\n"

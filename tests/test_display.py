@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from nnxscale.display import Markdown, source, table
+import IPython.display
+import pytest
+
+from nnxscale.display import BOOK_BUILD_ENV, GLUE_PREFIX, Markdown, glue, source, table
 from nnxscale.mesh import grid_shape
 
 
@@ -25,3 +28,18 @@ def test_source_is_the_real_source() -> None:
     assert isinstance(block, Markdown)
     assert block.startswith("```python\ndef grid_shape(")
     assert block.endswith("```")
+
+
+def test_glue_records_for_the_book_build_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    shown: list[tuple[dict, dict]] = []
+    monkeypatch.setattr(
+        IPython.display, "display", lambda bundle, raw, metadata: shown.append((bundle, metadata))
+    )
+    monkeypatch.delenv(BOOK_BUILD_ENV, raising=False)
+    glue("answer", 42)
+    assert shown == []  # Jupyter, Colab: nothing shown, no build tool needed
+    monkeypatch.setenv(BOOK_BUILD_ENV, "1")
+    glue("answer", "1,234")
+    [(bundle, metadata)] = shown
+    assert bundle == {"application/papermill.record/text/plain": "'1,234'"}
+    assert metadata["scrapbook"] == {"name": "answer", "mime_prefix": GLUE_PREFIX}

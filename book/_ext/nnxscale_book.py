@@ -22,6 +22,8 @@ from sphinx.application import Sphinx
 from sphinx.environment import BuildEnvironment
 from sphinx.util.docutils import SphinxDirective
 
+from nnxscale.display import BOOK_BUILD_ENV
+
 CHAPTERS = "chapters/"
 STATUS_PAGE = "book/status"
 INPUTS = ("src/**/*.py", "requirements.txt", "pyproject.toml")
@@ -132,6 +134,8 @@ def defer_treescope(app: Sphinx, doctree: nodes.document, docname: str) -> None:
 
 
 def setup(app: Sphinx) -> dict[str, object]:
+    # Kernels started by myst-nb inherit this: `nnxscale.display.glue` records values only then.
+    os.environ[BOOK_BUILD_ENV] = "1"
     app.connect("doctree-resolved", defer_treescope)
     app.connect("env-get-outdated", outdated_chapters)
     app.connect("config-inited", use_local_mathjax)

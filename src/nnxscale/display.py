@@ -1,9 +1,16 @@
-"""What notebooks render: Markdown tables and the library's own source as code blocks."""
+"""What notebooks render: Markdown tables, the library's own source, values for the prose."""
 
 from __future__ import annotations
 
 import inspect
+import os
 from collections.abc import Iterable, Sequence
+
+BOOK_BUILD_ENV = "NNXSCALE_BOOK_BUILD"
+"""Set (to 1) by the book's Sphinx extension, so kernels it starts know they feed the book."""
+
+GLUE_PREFIX = "application/papermill.record/"
+"""The MIME prefix myst-nb reads glued values from (and that no notebook front end renders)."""
 
 
 class Markdown(str):
@@ -36,3 +43,19 @@ def table(headers: Sequence[str], rows: Iterable[Sequence[object]], title: str =
 def source(obj: object) -> Markdown:
     """The real source of a function or class, as a Python code block."""
     return Markdown(f"```python\n{inspect.getsource(obj).rstrip()}\n```")
+
+
+def glue(name: str, value: object) -> None:
+    """Record `value` for the book's prose (`{glue:text}`name``); outside a book build, nothing.
+
+    The record is the display output myst-nb's own `glue` writes, so the build tool is not
+    needed to run a chapter: in Jupyter or Colab the call does nothing and shows nothing.
+    """
+    if os.environ.get(BOOK_BUILD_ENV) != "1":
+        return
+    from IPython.core.formatters import format_display_data
+    from IPython.display import display
+
+    bundle, metadata = format_display_data(value)
+    metadata["scrapbook"] = {"name": name, "mime_prefix": GLUE_PREFIX}
+    display({GLUE_PREFIX + k: v for k, v in bundle.items()}, raw=True, metadata=metadata)
