@@ -52,6 +52,20 @@ def test_each_collective_is_found_once_with_ring_bytes(ring, vector, kind, fn, e
     assert report.collectives[0].group_size == N
 
 
+def test_a_permute_from_every_device_to_itself_sends_nothing():
+    text = """HloModule m, num_partitions=2
+
+ENTRY %main (a: f32[8]) -> f32[8] {
+  %a = f32[8]{0} parameter(0)
+  ROOT %p = f32[8]{0} collective-permute(%a), channel_id=1, source_target_pairs={{0,0},{1,1}}
+}
+"""
+    report = collectives(text)
+    assert report.count("collective-permute") == 1 and report.bytes() == 0
+    moving = collectives(text.replace("{{0,0},{1,1}}", "{{0,1},{1,1}}"))
+    assert moving.bytes() == 32
+
+
 def test_no_collectives_in_a_local_program(ring, vector):
     report = collectives(compiled(ring, vector, lambda b: jnp.sin(b) * 2))
     assert report.count() == 0 and report.bytes() == 0

@@ -7,17 +7,21 @@ import pytest
 from jax.sharding import AxisType
 
 from nnxscale.mesh import grid_shape, make_mesh, mesh_shape, strategy_mesh
-from nnxscale.rules import DP, FSDP, FSDP_TP, TP, RuleError
+from nnxscale.rules import DP, FSDP, FSDP_TP, TP
 
 
-@pytest.mark.parametrize(("n", "shape"), [(4, (2, 2)), (8, (4, 2)), (16, (8, 2)), (2, (1, 2))])
-def test_grid_shape(n: int, shape: tuple[int, int]) -> None:
-    assert grid_shape(n) == shape
+@pytest.mark.parametrize(
+    ("n", "inner", "shape"),
+    [(4, 2, (2, 2)), (8, 2, (4, 2)), (16, 2, (8, 2)), (2, 2, (1, 2)), (1, 2, (1, 1)),
+     (7, 2, (7, 1)), (6, 4, (2, 3)), (9, 4, (3, 3)), (3, 8, (1, 3))],
+)  # fmt: skip
+def test_grid_shape_fits_any_count(n: int, inner: int, shape: tuple[int, int]) -> None:
+    assert grid_shape(n, inner) == shape
 
 
-def test_grid_shape_rejects_an_inner_size_that_does_not_divide() -> None:
-    with pytest.raises(ValueError, match="choose an inner size that divides 6"):
-        grid_shape(6, 4)
+def test_grid_shape_rejects_sizes_below_one() -> None:
+    with pytest.raises(ValueError, match="positive sizes"):
+        grid_shape(0)
 
 
 def test_explicit_and_auto_axes() -> None:
@@ -52,8 +56,8 @@ def test_mesh_shape_per_rule_set() -> None:
     assert mesh_shape(DP, 8) == mesh_shape(FSDP, 8) == (8, 1)
     assert mesh_shape(TP, 8) == mesh_shape(FSDP_TP, 8) == (4, 2)
     assert mesh_shape(TP, 16, model=4) == (4, 4)
-    with pytest.raises(RuleError, match="does not divide 6 devices"):
-        mesh_shape(TP, 6, model=4)
+    assert mesh_shape(TP, 6, model=4) == (2, 3)  # the largest model size that divides 6
+    assert mesh_shape(TP, 7) == (7, 1)  # odd: TP has one device on `model`
 
 
 def test_strategy_mesh() -> None:
@@ -61,3 +65,9 @@ def test_strategy_mesh() -> None:
     assert strategy_mesh(FSDP, 4).devices.size == 4
     assert strategy_mesh(TP, 1).shape == {"data": 1, "model": 1}
     assert strategy_mesh(DP).axis_types == (AxisType.Auto, AxisType.Auto)
+    assert strategy_mesh(TP, 3).shape == {"data": 3, "model": 1}
+
+
+def test_strategy_mesh_refuses_more_devices_than_there_are() -> None:
+    with pytest.raises(ValueError, match=r"12 devices was asked for and JAX has 8.*=12"):
+        strategy_mesh(FSDP, 12)

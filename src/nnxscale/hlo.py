@@ -22,6 +22,7 @@ _TRIP_COUNT = re.compile(r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"(\d+)"')
 _IOTA_GROUPS = re.compile(r"replica_groups=\[([\d,]+)\]<=")
 _LIST_GROUPS = re.compile(r"replica_groups=\{\{([\d,]*)\}")
 _MESH_GROUPS = re.compile(r"replica_groups=mesh\[([^\]]*)\][^{]*\{([^}]*)\}")
+_PAIRS = re.compile(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}")
 
 
 def shape_bytes(shape: str) -> int:
@@ -117,6 +118,12 @@ def _group_size(attributes: str, default: int) -> int:
     return default
 
 
+def _sends(kind: str, attributes: str) -> bool:
+    """Whether any device sends to another: a permute whose pairs all read {i,i} moves nothing."""
+    pairs = _PAIRS.search(attributes) if kind == "collective-permute" else None
+    return pairs is None or any(a != b for a, b in re.findall(r"\{(\d+),(\d+)\}", pairs[1]))
+
+
 def largest_array(program: object) -> tuple[int, str]:
     """Bytes and name of the largest array any instruction of a compiled program produces.
 
@@ -144,6 +151,7 @@ class Collective:
     result_bytes: int
     group_size: int
     executions: int
+    sends: bool = True
 
     @property
     def array_bytes(self) -> int:
@@ -155,6 +163,8 @@ class Collective:
     @property
     def sent_bytes(self) -> float:
         """Bytes each device sends per call of the program, loop trip counts included."""
+        if not self.sends:  # a permute from every device to itself
+            return 0.0
         return self.executions * ring_bytes(self.kind, self.array_bytes, self.group_size)
 
 
@@ -224,6 +234,7 @@ def collectives(program: object) -> CollectiveReport:
                     result_bytes=shape_bytes(shape),
                     group_size=_group_size(ins.attributes, num_partitions),
                     executions=executions + (previous.executions if previous else 0),
+                    sends=_sends(kind, ins.attributes),
                 )
             if ins.opcode.endswith("-done"):
                 continue

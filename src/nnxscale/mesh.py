@@ -8,17 +8,16 @@ from collections.abc import Sequence
 import jax
 from jax.sharding import AxisType, Mesh
 
-from nnxscale.rules import RuleError, Rules
+from nnxscale.rules import Rules
 
 
 def grid_shape(devices: int, inner: int = 2) -> tuple[int, int]:
-    """A 2-D mesh shape (devices // inner, inner) for any device count `inner` divides."""
-    if inner < 1 or devices % inner:
-        raise ValueError(
-            f"{devices} devices cannot form a grid with {inner} devices on the inner axis: "
-            f"choose an inner size that divides {devices}."
-        )
-    return devices // inner, inner
+    """A 2-D mesh shape (devices // k, k) for any device count: k is the largest divisor of
+    `devices` up to `inner`, so an odd count gets one column when `inner` is 2."""
+    if devices < 1 or inner < 1:
+        raise ValueError(f"a grid needs positive sizes, got {devices} devices, inner {inner}")
+    k = max(d for d in range(1, min(inner, devices) + 1) if devices % d == 0)
+    return devices // k, k
 
 
 def make_mesh(
@@ -41,7 +40,7 @@ def make_mesh(
         raise ValueError(
             f"mesh shape {shape} needs {math.prod(shape)} devices but {len(pool)} are available. "
             f"Use a shape whose sizes multiply to {len(pool)} (for example "
-            f"{grid_shape(len(pool), 2 if len(pool) % 2 == 0 else 1)}), or emulate "
+            f"{grid_shape(len(pool))}), or emulate "
             f"{math.prod(shape)} devices (NNXSCALE_DEVICES={math.prod(shape)}) and restart."
         )
     kind = AxisType.Explicit if explicit else AxisType.Auto
@@ -49,22 +48,25 @@ def make_mesh(
 
 
 def mesh_shape(rules: Rules, devices: int, model: int = 2) -> tuple[int, int]:
-    """The (data, model) mesh a rule set is meant for: `model` devices on `model` if it uses it."""
+    """The (data, model) mesh a rule set is meant for: up to `model` devices on `model` if it
+    uses that axis (the largest count that divides `devices`, see `grid_shape`), else none."""
     if "model" not in rules.mesh_axes():
         return devices, 1
-    if devices % model:
-        raise RuleError(
-            f"rule set {rules.name!r} puts {model} devices on 'model', which does not divide "
-            f"{devices} devices; pick a model size that divides {devices}."
-        )
-    return devices // model, model
+    return grid_shape(devices, model)
 
 
 def strategy_mesh(rules: Rules, devices: int | None = None, model: int = 2) -> Mesh:
     """The (data, model) mesh, with Auto axes, that a rule set is meant for.
 
-    It spans the first `devices` devices (all by default); on one device it is (1, 1).
+    It spans the first `devices` devices (all by default). With an odd count and the default
+    `model=2`, the `model` axis has one device: tensor parallelism then splits nothing.
     """
-    pool = jax.devices()[: devices or jax.device_count()]
-    shape = mesh_shape(rules, len(pool), model) if len(pool) > 1 else (1, 1)
+    available = jax.device_count()
+    if devices is not None and not 1 <= devices <= available:
+        raise ValueError(
+            f"a mesh of {devices} devices was asked for and JAX has {available}: pass at most "
+            f"{available}, or emulate more (NNXSCALE_DEVICES={devices}) and restart."
+        )
+    pool = jax.devices()[: devices or available]
+    shape = mesh_shape(rules, len(pool), model)
     return make_mesh(shape, ("data", "model"), explicit=False, devices=pool)
