@@ -8,7 +8,7 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from nnxscale.hlo import collectives, shape_bytes
+from nnxscale.hlo import collectives, result_types, shape_bytes
 from nnxscale.mesh import make_mesh
 
 N = 8
@@ -199,3 +199,15 @@ def test_errors_name_the_problem():
 def test_markdown_table():
     table = collectives(ASYNC_HLO)._repr_markdown_()
     assert "| all-gather | 3 | 84 |" in table
+
+
+def test_result_types_count_the_element_types_a_program_produces():
+    text = """HloModule m
+
+ENTRY %main (a: f32[8]) -> f32[8] {
+  %a = f32[8]{0} parameter(0)
+  %b = bf16[8]{0} convert(%a)
+  ROOT %c = f32[8]{0} convert(%b)
+}
+"""
+    assert result_types(text) == {"bf16": 1, "f32": 2}

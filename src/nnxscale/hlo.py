@@ -141,6 +141,21 @@ def largest_array(program: object) -> tuple[int, str]:
     return max(sizes) if sizes else (0, "")
 
 
+def result_types(program: object) -> dict[str, int]:
+    """How many instructions of a compiled program produce each element type (f32, bf16, ...).
+
+    Evidence of the precision a program computes in: a bfloat16 model shows bf16 results.
+    """
+    text = program if isinstance(program, str) else program.as_text()
+    computations, _ = _computations(text)
+    found: dict[str, int] = {}
+    for instructions in computations.values():
+        for ins in instructions:
+            for dtype in {d for d, _ in _ARRAY.findall(ins.shape)}:
+                found[dtype] = found.get(dtype, 0) + 1
+    return dict(sorted(found.items()))
+
+
 @dataclass(frozen=True)
 class Collective:
     """One collective instruction of a compiled program and how often one call runs it."""
