@@ -82,6 +82,7 @@ def test_a_collective_in_a_scan_counts_once_per_iteration(ring, vector):
 
     report = collectives(compiled(ring, vector, fn))
     assert report.count("all-reduce") == 6
+    assert report.array_bytes("all-reduce") == 6 * FULL // N
     assert report.bytes() == pytest.approx(6 * 2 * 7 / 8 * FULL / N)
 
 

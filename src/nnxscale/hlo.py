@@ -199,6 +199,11 @@ class CollectiveReport:
         """How many collectives (of `kind`) one call of the program executes."""
         return sum(c.executions for c in self._select(kind))
 
+    def array_bytes(self, kind: str | None = None) -> int:
+        """Bytes of the arrays the collectives (of `kind`) work on per call: the P of the ring
+        formulas, read off the program's shapes (an exact integer, unlike `bytes`)."""
+        return sum(c.executions * c.array_bytes for c in self._select(kind))
+
     def bytes(self, kind: str | None = None) -> float:
         """Bytes each device sends in collectives (of `kind`) per call, by the ring formulas."""
         return sum(c.sent_bytes for c in self._select(kind))
