@@ -72,15 +72,32 @@ def test_repeating_the_same_request_after_start_is_harmless() -> None:
     assert out.stdout.split() == ["4", "cpu"]
 
 
-def test_native_leaves_jax_alone() -> None:
+def test_native_leaves_jax_alone_when_it_finds_several_devices() -> None:
+    # XLA_FLAGS stands in for a host with 4 accelerators: JAX finds them without being asked.
     code = (
         "from nnxscale.devices import emulate_devices; import jax\n"
         "assert emulate_devices('native') is None\n"
-        "print(jax.config.jax_num_cpu_devices)"
+        f"print(jax.config.jax_num_cpu_devices); {REPORT}"
     )
-    out = run_python(code)
+    out = run_python(code, XLA_FLAGS="--xla_force_host_platform_device_count=4")
     assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "-1"
+    assert out.stdout.split() == ["-1", "4", "cpu"]
+
+
+def test_native_with_one_device_emulates_eight_and_says_so() -> None:
+    code = f"from nnxscale.devices import emulate_devices; print(emulate_devices()); {REPORT}"
+    out = run_python(code, NNXSCALE_DEVICES="native", JAX_PLATFORMS="cpu")
+    assert out.returncode == 0, out.stderr
+    assert "JAX finds 1 cpu device(s) here" in out.stdout
+    assert "8 emulated CPU devices instead" in out.stdout
+    assert out.stdout.split()[-3:] == ["8", "8", "cpu"]
+
+
+def test_native_names_the_fix_when_jax_cannot_start() -> None:
+    code = "from nnxscale.devices import emulate_devices; emulate_devices('native')"
+    out = run_python(code, JAX_PLATFORMS="cuda")  # no GPU here
+    assert "JAX could not start on its own devices" in out.stderr
+    assert "Set NNXSCALE_DEVICES to a count" in out.stderr
 
 
 @pytest.mark.parametrize("value", ["0", "-2", "eight", ""])

@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 DEVICES_ENV = "NNXSCALE_DEVICES"
 DEFAULT_DEVICES = 8
 NATIVE = "native"
+MINIMUM_NATIVE = 2
+"""Fewer native devices than this and nothing is distributed: `native` then emulates instead."""
 
 
 class EmulationTooLateError(RuntimeError):
@@ -38,17 +42,49 @@ def _backend_started() -> bool:
     return xla_bridge.backends_are_initialized()
 
 
+def native_devices() -> tuple[int, str]:
+    """How many devices JAX finds on its own, and their platform, asked of a fresh process
+    (so that this one can still choose to emulate)."""
+    probe = "import jax; d = jax.devices(); print(len(d), d[0].platform)"
+    done = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=600
+    )
+    if done.returncode:
+        raise RuntimeError(
+            f"JAX could not start on its own devices ({DEVICES_ENV}={NATIVE}):\n"
+            f"{done.stderr[-2000:]}\nSet {DEVICES_ENV} to a count, such as 8, to emulate CPU "
+            "devices instead."
+        )
+    count, platform = done.stdout.split()[-2:]
+    return int(count), platform
+
+
 def emulate_devices(count: int | str | None = None) -> int | None:
     """Make JAX see `count` CPU devices (default $NNXSCALE_DEVICES or 8); call before any JAX work.
 
     Forces the CPU platform, so that a Colab GPU runtime also gets the emulated devices.
-    With `native` it changes nothing and JAX uses the accelerators it finds. Calling it again
-    with the same count is harmless; asking for another count after JAX started raises
-    EmulationTooLateError, which says to restart the runtime.
+    With `native`, JAX uses the accelerators it finds, unless there are fewer than two (a
+    one-GPU runtime): with one device nothing is distributed, so it emulates 8 CPU devices
+    instead and says so. Calling it again with the same count is harmless; asking for another
+    count after JAX started raises EmulationTooLateError, which says to restart the runtime.
+    Returns the emulated count, or None when JAX uses the devices it found.
     """
     wanted = requested_devices(count)
     if wanted is None:
-        return None
+        if _backend_started():
+            import jax
+
+            emulated = jax.config.jax_num_cpu_devices
+            return emulated if jax.devices()[0].platform == "cpu" and emulated > 0 else None
+        found, platform = native_devices()
+        if found >= MINIMUM_NATIVE:
+            return None
+        wanted = DEFAULT_DEVICES
+        print(
+            f"JAX finds {found} {platform} device(s) here, and with one device nothing is "
+            f"distributed: this notebook runs on {wanted} emulated CPU devices instead. "
+            f"For another count set {DEVICES_ENV} (1 to 16) and restart."
+        )
     import jax
 
     if _backend_started():
