@@ -36,6 +36,22 @@ def jupyter_book(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess[st
     return subprocess.run(command, cwd=cwd, capture_output=True, text=True, timeout=3600)
 
 
+SHARED_BUILD = ("test_book", "test_browser")
+"""Modules that read the one built book: one pytest-xdist worker runs them all."""
+
+SPREAD = ("test_device_counts",)
+"""Modules whose tests share nothing: pytest-xdist spreads them over every worker."""
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Keep each module on one worker (its module fixtures then run once), except SPREAD."""
+    for item in items:
+        module = item.module.__name__
+        if module not in SPREAD:
+            group = "built-book" if module in SHARED_BUILD else module
+            item.add_marker(pytest.mark.xdist_group(group))
+
+
 @pytest.fixture(scope="session")
 def built_book() -> Path:
     """The whole book, built from clean with every chapter executed for real; its HTML folder."""
