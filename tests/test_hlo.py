@@ -172,8 +172,30 @@ def test_replica_group_spellings():
   %r4 = f32[8]{0} all-reduce(%a), replica_groups=mesh['x'=2,'y'=2,'z'=2], device_ids=([8]) {'x','z'}, to_apply=%add
   ROOT %r5 = f32[8]{0} all-reduce(%a), replica_groups={}, to_apply=%add
 }"""  # noqa: E501
-    sizes = [c.group_size for c in sorted(collectives(text).collectives, key=lambda c: c.name)]
-    assert sizes == [4, 2, 3, 4, 1]  # an empty group list means all partitions (1 here)
+    found = sorted(collectives(text).collectives, key=lambda c: c.name)
+    assert [c.group_size for c in found] == [4, 2, 3, 4, 1]  # none listed: all partitions (1)
+    assert [c.groups for c in found] == [
+        ((0, 1, 2, 3), (4, 5, 6, 7)),
+        ((0, 4), (1, 5), (2, 6), (3, 7)),
+        ((0, 1, 2), (3, 4, 5)),
+        ((0, 1, 4, 5), (2, 3, 6, 7)),  # devices along x and z of a (2, 2, 2) mesh
+        ((0,),),
+    ]
+
+
+@pytest.mark.parametrize(
+    ("axes", "expected"),
+    [("data", ("data",)), ("model", ("model",)), (("data", "model"), ("data", "model"))],
+)
+def test_a_collective_names_the_mesh_axes_it_runs_over(axes, expected):
+    mesh = make_mesh((4, 2), ("data", "model"))
+    x = jax.device_put(jnp.ones((8, 4)), NamedSharding(mesh, P("data", "model")))
+    smap = jax.shard_map(lambda b: jax.lax.psum(b, axes), mesh=mesh, in_specs=P("data", "model"),
+                         out_specs=P("data", "model"))  # fmt: skip
+    (found,) = collectives(jax.jit(smap).lower(x).compile()).collectives
+    assert found.mesh_axes(mesh) == expected
+    every_device = ("ring",) if expected == ("data", "model") else None
+    assert found.mesh_axes(make_mesh((8,), ("ring",))) == every_device
 
 
 def test_shape_bytes():

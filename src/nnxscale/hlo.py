@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
+
+import numpy as np
+from jax.sharding import Mesh
 
 from nnxscale.comm import KINDS, ring_bytes
 from nnxscale.display import table
@@ -19,9 +23,11 @@ _CALLEES = re.compile(
 )
 _BRANCHES = re.compile(r"\bbranch_computations=\{([^}]*)\}")
 _TRIP_COUNT = re.compile(r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"(\d+)"')
-_IOTA_GROUPS = re.compile(r"replica_groups=\[([\d,]+)\]<=")
-_LIST_GROUPS = re.compile(r"replica_groups=\{\{([\d,]*)\}")
-_MESH_GROUPS = re.compile(r"replica_groups=mesh\[([^\]]*)\][^{]*\{([^}]*)\}")
+_IOTA = r"\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?"
+_IOTA_GROUPS = re.compile(r"replica_groups=" + _IOTA)
+_LIST_GROUPS = re.compile(r"replica_groups=\{((?:\{[\d,]*\},?)*)\}")
+_MESH_GROUPS = re.compile(r"replica_groups=mesh\[([^\]]*)\]([^{]*)\{([^}]*)\}")
+_MESH_DEVICES = re.compile(r"device_ids=\(\[([\d,]+)\](?:T\(([\d,]+)\))?\)")
 _PAIRS = re.compile(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}")
 
 
@@ -106,16 +112,48 @@ def _first_operand(operands: str) -> str:
     return named[0] if named else operands.split(",")[0].split()[-1]
 
 
-def _group_size(attributes: str, default: int) -> int:
-    """Devices per replica group, from any of XLA's three spellings of replica_groups."""
+def _ints(text: str | None) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()] if text else []
+
+
+def _iota(dims: list[int], perm: list[int]) -> np.ndarray:
+    """XLA's iota tile assignment: arange reshaped to `dims`, transposed by `perm` if given."""
+    ids = np.arange(math.prod(dims)).reshape(dims)
+    return ids.transpose(perm) if perm else ids
+
+
+def _replica_groups(attributes: str, default: int) -> tuple[tuple[int, ...], ...]:
+    """The device groups of a collective, from any of XLA's three spellings of replica_groups:
+    explicit lists `{{0,2},{1,3}}`, iota `[2,2]<=[4]` (optionally transposed, `T(1,0)`), and
+    mesh axes `mesh['x'=2,'y'=2] {'y'}`; one group of every device when there are none."""
     if mesh := _MESH_GROUPS.search(attributes):
-        sizes = dict(re.findall(r"'([^']+)'=(\d+)", mesh.group(1)))
-        return math.prod(int(sizes[a]) for a in re.findall(r"'([^']+)'", mesh.group(2)))
+        axes = re.findall(r"'([^']+)'=(\d+)", mesh.group(1))
+        names, shape = [a for a, _ in axes], [int(s) for _, s in axes]
+        order = _MESH_DEVICES.search(mesh.group(2))
+        ids = _iota(_ints(order[1]), _ints(order[2])) if order else np.arange(math.prod(shape))
+        ids = ids.reshape(shape)
+        chosen = [names.index(a) for a in re.findall(r"'([^']+)'", mesh.group(3))]
+        rest = [i for i in range(len(names)) if i not in chosen]
+        size = math.prod(shape[i] for i in chosen)
+        return tuple(map(tuple, ids.transpose(rest + chosen).reshape(-1, size).tolist()))
     if iota := _IOTA_GROUPS.search(attributes):
-        return int(iota.group(1).split(",")[-1])
+        groups = _iota(_ints(iota[2]), _ints(iota[3])).reshape(_ints(iota[1]))
+        return tuple(map(tuple, groups.tolist()))
     if listed := _LIST_GROUPS.search(attributes):
-        return len([d for d in listed.group(1).split(",") if d.strip()]) or default
-    return default
+        groups = tuple(tuple(_ints(g)) for g in re.findall(r"\{([\d,]*)\}", listed[1]))
+        if groups and groups[0]:
+            return groups
+    return (tuple(range(default)),)
+
+
+def axis_groups(mesh: Mesh, axes: tuple[str, ...]) -> set[frozenset[int]]:
+    """The groups of devices (as positions in the mesh, XLA's partition ids) along `axes`."""
+    ids = np.arange(mesh.size).reshape(tuple(mesh.shape.values()))
+    names = list(mesh.axis_names)
+    chosen = [names.index(a) for a in axes]
+    rest = [i for i in range(len(names)) if i not in chosen]
+    size = math.prod(mesh.shape[a] for a in axes)
+    return {frozenset(g) for g in ids.transpose(rest + chosen).reshape(-1, size).tolist()}
 
 
 def _sends(kind: str, attributes: str) -> bool:
@@ -167,6 +205,18 @@ class Collective:
     group_size: int
     executions: int
     sends: bool = True
+    groups: tuple[tuple[int, ...], ...] = ()
+
+    def mesh_axes(self, mesh: Mesh) -> tuple[str, ...] | None:
+        """The mesh axes the collective runs over (its groups are the devices along them):
+        the fewest axes that match, in mesh order; None if no set of axes does."""
+        found = {frozenset(g) for g in self.groups}
+        names = mesh.axis_names
+        for count in range(1, len(names) + 1):
+            for axes in itertools.combinations(names, count):
+                if axis_groups(mesh, axes) == found:
+                    return axes
+        return None
 
     @property
     def array_bytes(self) -> int:
@@ -245,6 +295,7 @@ def collectives(program: object) -> CollectiveReport:
             kind = ins.opcode.removesuffix("-start")
             if kind in KINDS and not ins.opcode.endswith("-done"):
                 shape = done_shapes.get(ins.name, ins.shape)
+                groups = _replica_groups(ins.attributes, num_partitions)
                 key = (name, ins.name)
                 previous = found.get(key)
                 found[key] = Collective(
@@ -252,9 +303,10 @@ def collectives(program: object) -> CollectiveReport:
                     name=ins.name,
                     computation=name,
                     result_bytes=shape_bytes(shape),
-                    group_size=_group_size(ins.attributes, num_partitions),
+                    group_size=len(groups[0]),
                     executions=executions + (previous.executions if previous else 0),
                     sends=_sends(kind, ins.attributes),
+                    groups=groups,
                 )
             if ins.opcode.endswith("-done"):
                 continue
