@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import os
 import subprocess
 import sys
@@ -36,29 +37,24 @@ def jupyter_book(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess[st
     return subprocess.run(command, cwd=cwd, capture_output=True, text=True, timeout=3600)
 
 
-SHARED_BUILD = ("test_book", "test_browser")
-"""Modules that read the one built book: one pytest-xdist worker runs them all."""
-
-SPREAD = ("test_device_counts",)
-"""Modules whose tests share nothing: pytest-xdist spreads them over every worker."""
-
-
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Keep each module on one worker (its module fixtures then run once), except SPREAD."""
-    for item in items:
-        module = item.module.__name__
-        if module not in SPREAD:
-            group = "built-book" if module in SHARED_BUILD else module
-            item.add_marker(pytest.mark.xdist_group(group))
-
-
 @pytest.fixture(scope="session")
-def built_book() -> Path:
-    """The whole book, built from clean with every chapter executed for real; its HTML folder."""
-    assert jupyter_book("clean", "--all", ".").returncode == 0
-    result = jupyter_book("build", ".")
-    log = result.stdout + result.stderr
-    (ROOT / "_build").mkdir(exist_ok=True)
-    (ROOT / "_build" / "build.log").write_text(log)
-    assert result.returncode == 0, log[-5000:]
+def built_book(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The whole book, built from clean with every chapter executed for real; its HTML folder.
+
+    Built once per test run: with pytest-xdist, the first worker to ask builds it while the
+    others wait on a lock in the run's shared temporary folder, then read the same result.
+    """
+    base = tmp_path_factory.getbasetemp()
+    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    log_file = ROOT / "_build" / "build.log"
+    with open(shared / "built-book.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        status = shared / "built-book.returncode"
+        if not status.exists():
+            assert jupyter_book("clean", "--all", ".").returncode == 0
+            result = jupyter_book("build", ".")
+            log_file.parent.mkdir(exist_ok=True)
+            log_file.write_text(result.stdout + result.stderr)
+            status.write_text(str(result.returncode))
+    assert status.read_text() == "0", log_file.read_text()[-5000:]
     return ROOT / "_build" / "html"

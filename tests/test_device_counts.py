@@ -1,9 +1,12 @@
 """Every chapter executes unchanged with other emulated device counts: one device, two, a
-count that divides none of the model's widths (6), and 4 and 16 (the book builds with 8)."""
+count that divides none of the model's widths (6), and 4 and 16 (the book builds with 8).
+
+One class per count: pytest-xdist (`--dist loadscope`) gives each class to one worker, so the
+counts run side by side.
+"""
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import jupytext
@@ -15,17 +18,27 @@ from book import CHAPTERS
 pytestmark = pytest.mark.book
 
 
-@pytest.mark.parametrize("devices", [1, 2, 4, 6, 16])
-@pytest.mark.parametrize("md", CHAPTERS, ids=[c.stem for c in CHAPTERS])
-def test_chapter_runs_with(
-    md: Path, devices: int, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
-) -> None:
+def execute(md: Path, devices: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Run every cell of a chapter in a fresh kernel with `devices` devices (times: --durations)."""
     monkeypatch.setenv("NNXSCALE_DEVICES", str(devices))
-    notebook = jupytext.read(md)
-    start = time.perf_counter()
     NotebookClient(
-        notebook, timeout=600, kernel_name="python3",
+        jupytext.read(md), timeout=600, kernel_name="python3",
         resources={"metadata": {"path": str(md.parent)}},
     ).execute()  # fmt: skip
-    with capsys.disabled():
-        print(f"\n{md.stem} with {devices} devices: {time.perf_counter() - start:.1f} s")
+
+
+def with_devices(devices: int) -> type:
+    """A test class that executes every chapter with `devices` devices."""
+
+    @pytest.mark.parametrize("md", CHAPTERS, ids=[c.stem for c in CHAPTERS])
+    def test_chapter_runs(self, md: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        execute(md, devices, monkeypatch)
+
+    return type(f"TestDevices{devices}", (), {"test_chapter_runs": test_chapter_runs})
+
+
+TestDevices1 = with_devices(1)
+TestDevices2 = with_devices(2)
+TestDevices4 = with_devices(4)
+TestDevices6 = with_devices(6)
+TestDevices16 = with_devices(16)

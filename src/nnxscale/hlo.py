@@ -122,6 +122,14 @@ def _iota(dims: list[int], perm: list[int]) -> np.ndarray:
     return ids.transpose(perm) if perm else ids
 
 
+def _along(ids: np.ndarray, names: list[str], axes: list[str]) -> list[list[int]]:
+    """Groups of the ids (an array shaped like a mesh) that differ only along `axes`."""
+    chosen = [names.index(a) for a in axes]
+    rest = [i for i in range(len(names)) if i not in chosen]
+    size = math.prod(ids.shape[i] for i in chosen)
+    return ids.transpose(rest + chosen).reshape(-1, size).tolist()
+
+
 def _replica_groups(attributes: str, default: int) -> tuple[tuple[int, ...], ...]:
     """The device groups of a collective, from any of XLA's three spellings of replica_groups:
     explicit lists `{{0,2},{1,3}}`, iota `[2,2]<=[4]` (optionally transposed, `T(1,0)`), and
@@ -131,11 +139,8 @@ def _replica_groups(attributes: str, default: int) -> tuple[tuple[int, ...], ...
         names, shape = [a for a, _ in axes], [int(s) for _, s in axes]
         order = _MESH_DEVICES.search(mesh.group(2))
         ids = _iota(_ints(order[1]), _ints(order[2])) if order else np.arange(math.prod(shape))
-        ids = ids.reshape(shape)
-        chosen = [names.index(a) for a in re.findall(r"'([^']+)'", mesh.group(3))]
-        rest = [i for i in range(len(names)) if i not in chosen]
-        size = math.prod(shape[i] for i in chosen)
-        return tuple(map(tuple, ids.transpose(rest + chosen).reshape(-1, size).tolist()))
+        axes = re.findall(r"'([^']+)'", mesh.group(3))
+        return tuple(map(tuple, _along(ids.reshape(shape), names, axes)))
     if iota := _IOTA_GROUPS.search(attributes):
         groups = _iota(_ints(iota[2]), _ints(iota[3])).reshape(_ints(iota[1]))
         return tuple(map(tuple, groups.tolist()))
@@ -149,11 +154,7 @@ def _replica_groups(attributes: str, default: int) -> tuple[tuple[int, ...], ...
 def axis_groups(mesh: Mesh, axes: tuple[str, ...]) -> set[frozenset[int]]:
     """The groups of devices (as positions in the mesh, XLA's partition ids) along `axes`."""
     ids = np.arange(mesh.size).reshape(tuple(mesh.shape.values()))
-    names = list(mesh.axis_names)
-    chosen = [names.index(a) for a in axes]
-    rest = [i for i in range(len(names)) if i not in chosen]
-    size = math.prod(mesh.shape[a] for a in axes)
-    return {frozenset(g) for g in ids.transpose(rest + chosen).reshape(-1, size).tolist()}
+    return {frozenset(g) for g in _along(ids, list(mesh.axis_names), list(axes))}
 
 
 def _sends(kind: str, attributes: str) -> bool:
@@ -202,10 +203,14 @@ class Collective:
     name: str
     computation: str
     result_bytes: int
-    group_size: int
+    groups: tuple[tuple[int, ...], ...]
     executions: int
     sends: bool = True
-    groups: tuple[tuple[int, ...], ...] = ()
+
+    @property
+    def group_size(self) -> int:
+        """Devices in each of its groups (the N of the ring formulas)."""
+        return len(self.groups[0])
 
     def mesh_axes(self, mesh: Mesh) -> tuple[str, ...] | None:
         """The mesh axes the collective runs over (its groups are the devices along them):
@@ -303,10 +308,9 @@ def collectives(program: object) -> CollectiveReport:
                     name=ins.name,
                     computation=name,
                     result_bytes=shape_bytes(shape),
-                    group_size=len(groups[0]),
+                    groups=groups,
                     executions=executions + (previous.executions if previous else 0),
                     sends=_sends(kind, ins.attributes),
-                    groups=groups,
                 )
             if ins.opcode.endswith("-done"):
                 continue
