@@ -18,7 +18,7 @@ from book import CHAPTERS
 pytestmark = pytest.mark.book
 
 
-def execute(md: Path, devices: int, monkeypatch: pytest.MonkeyPatch) -> None:
+def execute(md: Path, devices: int | str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Run every cell of a chapter in a fresh kernel with `devices` devices (times: --durations)."""
     monkeypatch.setenv("NNXSCALE_DEVICES", str(devices))
     NotebookClient(
@@ -42,3 +42,8 @@ TestDevices2 = with_devices(2)
 TestDevices4 = with_devices(4)
 TestDevices6 = with_devices(6)
 TestDevices16 = with_devices(16)
+
+
+def test_a_chapter_runs_natively(monkeypatch: pytest.MonkeyPatch) -> None:
+    # NNXSCALE_DEVICES=native here finds one CPU device, so the setup cell emulates 8 instead.
+    execute(CHAPTERS[0], "native", monkeypatch)
