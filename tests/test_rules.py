@@ -128,6 +128,7 @@ def test_automatic_fsdp_on_a_tree_without_annotations() -> None:
     assert tuple(layout["w"].spec) == (None, "data")
     assert tuple(layout["sq"].spec) == ("data", None)  # equal sizes: the first
     assert tuple(layout["b"].spec) == (None,) and "replicated" in layout["b"].reason
+    assert (layout["w"].pieces, layout["sq"].pieces, layout["b"].pieces) == (8, 8, 1)
     specs = layout.specs
     assert specs["w"] == layout["w"].spec
 

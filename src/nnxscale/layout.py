@@ -29,6 +29,11 @@ class Placement:
     total_bytes: int
     reason: str
 
+    @property
+    def pieces(self) -> int:
+        """Into how many different blocks the array is cut (1: every device holds it whole)."""
+        return math.prod(self.shape) // math.prod(self.shard_shape)
+
 
 def largest_divisible_dim(shape: tuple[int, ...], size: int) -> int | None:
     """The largest dimension that `size` divides (the first of equals), or None."""
