@@ -25,10 +25,9 @@ from nnxscale import cli
 from nnxscale.checkpoint import Checkpoints
 from nnxscale.data import book_batches
 from nnxscale.devices import emulate_devices
-from nnxscale.mesh import strategy_mesh
-from nnxscale.model import BENCH, TINY, Config
-from nnxscale.rules import FSDP, TP, Rules
-from nnxscale.train import Trainer, TrainState, adamw
+from nnxscale.model import BENCH, TINY, Config, Transformer, create
+from nnxscale.rules import FSDP, TP, Rules, strategy_mesh
+from nnxscale.train import Trainer, adamw
 
 
 def median_seconds(action: Callable[[], object], repeats: int) -> float:
@@ -45,7 +44,7 @@ def measure(name: str, cfg: Config, repeats: int, workdir: Path) -> dict[str, ob
     """Sizes and times of one model's checkpoints."""
     n = jax.device_count()
     batches = book_batches(batch_size=n, length=min(32, cfg.max_len))
-    trainer = Trainer.create(TrainState(cfg, adamw()), FSDP, strategy_mesh(FSDP))
+    trainer = Trainer.create(create(cfg), adamw(), FSDP, strategy_mesh(FSDP))
     trainer.train(batches, 2)
     directory = workdir / name
     blocked, written = [], []
@@ -59,7 +58,9 @@ def measure(name: str, cfg: Config, repeats: int, workdir: Path) -> dict[str, ob
         values = checkpoints.stored_values()
 
         def restore(rules: Rules, mesh: Mesh) -> Callable[[], object]:
-            return lambda: jax.block_until_ready(checkpoints.restore(adamw(), rules, mesh).state)
+            return lambda: jax.block_until_ready(
+                checkpoints.restore(Transformer.from_config, adamw(), rules, mesh).state
+            )
 
         same = median_seconds(restore(FSDP, strategy_mesh(FSDP)), repeats)
         tp = median_seconds(restore(TP, strategy_mesh(TP)), repeats)

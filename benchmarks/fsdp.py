@@ -21,9 +21,9 @@ from nnxscale.data import Batches, arithmetic_text, encode
 from nnxscale.devices import emulate_devices
 from nnxscale.hlo import collectives
 from nnxscale.memory import CompiledMemory
-from nnxscale.mesh import strategy_mesh
-from nnxscale.rules import DP, FSDP
-from nnxscale.train import Trainer, TrainState, adamw
+from nnxscale.model import create
+from nnxscale.rules import DP, FSDP, strategy_mesh
+from nnxscale.train import Trainer, adamw
 
 from strategies import BATCH, LENGTH
 from strategies import MODEL as UNSCANNED
@@ -50,7 +50,7 @@ def main() -> None:
     }  # fmt: skip
     rows = []
     for name, (rules, options) in runs.items():
-        trainer = Trainer.create(TrainState(MODEL, adamw()), rules, mesh, dropout=False, **options)
+        trainer = Trainer.create(create(MODEL), adamw(), rules, mesh, dropout=False, **options)
         compiled = trainer.compile(batches(0, trainer.batch))
         trainer.train(batches, 2)  # warm-up
         times = trainer.time_steps(batches, args.steps, first=100)

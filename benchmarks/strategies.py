@@ -16,7 +16,7 @@ import subprocess
 import sys
 import time
 
-from nnxscale.model import Config
+from nnxscale.model import Config, create
 
 MODEL = Config(vocab=1024, embed=256, heads=8, head_dim=32, mlp=1024, layers=4, max_len=128)
 BATCH, LENGTH = 16, 128
@@ -33,9 +33,8 @@ def worker(steps: int) -> None:
     from nnxscale.data import Batches, arithmetic_text, encode
     from nnxscale.hlo import collectives
     from nnxscale.memory import CompiledMemory
-    from nnxscale.mesh import strategy_mesh
-    from nnxscale.rules import RULE_SETS
-    from nnxscale.train import Trainer, TrainState
+    from nnxscale.rules import RULE_SETS, strategy_mesh
+    from nnxscale.train import Trainer
 
     n = jax.device_count()
     batches = Batches(encode(arithmetic_text(20_000)), BATCH, LENGTH)
@@ -43,7 +42,7 @@ def worker(steps: int) -> None:
         if n == 1 and "model" in rules.mesh_axes():
             continue  # TP needs 2 devices on `model`
         mesh = strategy_mesh(rules)
-        trainer = Trainer.create(TrainState(MODEL, optax.adamw(1e-3)), rules, mesh)
+        trainer = Trainer.create(create(MODEL), optax.adamw(1e-3), rules, mesh)
         start = time.perf_counter()
         compiled = trainer.compile(batches(0, trainer.batch))
         compile_s = time.perf_counter() - start

@@ -9,7 +9,8 @@ from pathlib import Path
 import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
-CHAPTERS = sorted((ROOT / "chapters").glob("[0-9][0-9]_*.md"))
+CHAPTERS = sorted((ROOT / "chapters").glob("[0-9A-Z][0-9]_*.md"))
+"""Numbered chapters (`01_...`), then appendices (`A1_...`)."""
 CONFIG = yaml.safe_load((ROOT / "_config.yml").read_text())
 REPOSITORY = CONFIG["repository"]["url"]
 BRANCH = CONFIG["repository"]["branch"]
@@ -34,9 +35,9 @@ if "google.colab" in sys.modules and importlib.util.find_spec("nnxscale") is Non
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", source], check=True)
     importlib.invalidate_caches()
 
-from nnxscale.devices import emulate_devices
+import nnxscale as nx
 
-emulate_devices()"""
+nx.emulate_devices()"""
 
 
 def setup_cell() -> str:

@@ -8,14 +8,13 @@ import pytest
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from nnxscale import fsdp
+from nnxscale import comm, fsdp
 from nnxscale.data import book_batches
 from nnxscale.hlo import collectives
 from nnxscale.memory import CompiledMemory
-from nnxscale.mesh import strategy_mesh
 from nnxscale.model import TINY, create
-from nnxscale.rules import DP, FSDP
-from nnxscale.train import Trainer, TrainState, adamw, loss_and_grads
+from nnxscale.rules import DP, FSDP, strategy_mesh
+from nnxscale.train import Trainer, adamw, loss_and_grads
 
 CFG = TINY.replace(scan_layers=True)
 BATCHES = book_batches(batch_size=16)
@@ -31,7 +30,7 @@ MODES = {
 
 @pytest.fixture(scope="module")
 def placed() -> tuple[nnx.Module, jax.Array]:
-    trainer = Trainer.create(TrainState(CFG, adamw()), FSDP, MESH)
+    trainer = Trainer.create(create(CFG), adamw(), FSDP, MESH)
     return trainer.model(), BATCHES(0, trainer.batch)
 
 
@@ -95,27 +94,27 @@ def test_the_remat_policy_saves_no_gathered_weight() -> None:
     layer = jax.tree.map(lambda a: a[0], params)
 
     def apply(weights: nnx.State, h: jax.Array) -> jax.Array:
-        named = jax.tree.map(lambda w: checkpoint_name(w * 1.0, fsdp.GATHERED), weights)
+        named = jax.tree.map(lambda w: checkpoint_name(w * 1.0, comm.GATHERED), weights)
         return nnx.merge(graphdef, named, rest)(h, None).sum()
 
     x = np.ones((2, 8, CFG.embed), np.float32)
     policy = fsdp.save_all_but_gathered
     ours = fsdp.saved_for_backward(jax.checkpoint(apply, policy=policy), layer, x)
-    assert ours and not any(fsdp.GATHERED in line for line in ours)
-    builtin = jax.checkpoint_policies.save_anything_except_these_names(fsdp.GATHERED)
+    assert ours and not any(comm.GATHERED in line for line in ours)
+    builtin = jax.checkpoint_policies.save_anything_except_these_names(comm.GATHERED)
     theirs = fsdp.saved_for_backward(jax.checkpoint(apply, policy=builtin), layer, x)
-    assert sum(fsdp.GATHERED in line for line in theirs) == 6  # JAX 0.10.2 saves them anyway
+    assert sum(comm.GATHERED in line for line in theirs) == 6  # JAX 0.10.2 saves them anyway
 
 
 def test_training_equals_the_compilers_fsdp() -> None:
     def losses(rules, mesh, **options) -> list[float]:
-        state = TrainState(CFG, adamw())
-        return Trainer.create(state, rules, mesh, dropout=False, **options).train(BATCHES, 4)
+        trainer = Trainer.create(create(CFG), adamw(), rules, mesh, dropout=False, **options)
+        return trainer.train(BATCHES, 4)
 
     one = losses(DP, strategy_mesh(DP, 1))
     by_hand = losses(FSDP, MESH, grads_fn=fsdp.grads_fn(MESH))
     np.testing.assert_allclose(by_hand, one, rtol=0, atol=1e-5)
-    with_dropout = Trainer.create(TrainState(CFG, adamw()), FSDP, MESH,
+    with_dropout = Trainer.create(create(CFG), adamw(), FSDP, MESH,
                                   grads_fn=fsdp.grads_fn(MESH)).train(BATCHES, 2)  # fmt: skip
     assert all(np.isfinite(with_dropout))
 

@@ -115,7 +115,7 @@ def test_groups_on_a_two_dimensional_mesh_use_the_axis_size():
 
 
 def test_compiler_inserted_collectives_are_counted():
-    mesh = make_mesh((4, 2), ("data", "model"))
+    mesh = make_mesh((4, 2), ("data", "model"), explicit=True)
     lhs = jax.device_put(jnp.ones((16, 8)), NamedSharding(mesh, P(None, "model")))
     rhs = jax.device_put(jnp.ones((8, 4)), NamedSharding(mesh, P("model", None)))
     out = NamedSharding(mesh, P("data", None))

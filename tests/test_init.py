@@ -14,9 +14,8 @@ from jax.sharding import PartitionSpec as P
 from nnxscale.hlo import largest_array
 from nnxscale.init import abstract, compile_init, init_sharded
 from nnxscale.memory import CompiledMemory, device_bytes
-from nnxscale.mesh import strategy_mesh
 from nnxscale.model import TINY, create
-from nnxscale.rules import FSDP, RULE_SETS
+from nnxscale.rules import FSDP, RULE_SETS, strategy_mesh
 
 # Each sharded init compiles for about 3 s (XLA's CPU backend, one random-normal call site per
 # parameter), so the matrix is: FSDP on 1, 2, 4 and 8 devices; every rule set on 8.

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from nnxscale import cli
 from nnxscale.launch import LaunchError, how_it_ended, launch, start
 
 WORKER = [sys.executable, "-m", "nnxscale.cli", "collective"]
@@ -40,15 +41,16 @@ def test_processes_form_one_run(processes, devices) -> None:
     output = launch(WORKER, processes, devices, timeout=120, echo=None)
     total = processes * devices
     for index in range(processes):
-        expected = (f"[process {index}] process {index} of {processes}: {devices} local devices, "
-                    f"{total} in all, sum over every device {total}")  # fmt: skip
-        assert expected in output
+        hello = {"event": "hello", "process": index, "processes": processes,
+                 "local_devices": devices, "devices": total, "sum": total}  # fmt: skip
+        mine = [line for line in output if line.startswith(f"[process {index}] ")]
+        assert cli.events(mine, "hello") == [hello]
 
 
 def test_a_killed_worker_is_named_and_nothing_is_left() -> None:
     run = start([*WORKER, "--hold", "60"], 2, 2, echo=None)
     deadline = time.monotonic() + 120
-    while sum("sum over every device" in line for line in run.output) < 2:
+    while len(cli.events(list(run.output), "hello")) < 2:
         assert time.monotonic() < deadline, run.output
         time.sleep(0.1)
     victim = run.workers[1].pid

@@ -6,8 +6,8 @@ import jax
 import pytest
 from jax.sharding import AxisType
 
-from nnxscale.mesh import grid_shape, make_mesh, mesh_shape, strategy_mesh
-from nnxscale.rules import DP, FSDP, FSDP_TP, TP
+from nnxscale.mesh import grid_shape, make_mesh
+from nnxscale.rules import DP, FSDP, FSDP_TP, TP, strategy_mesh
 
 
 @pytest.mark.parametrize(
@@ -24,9 +24,9 @@ def test_grid_shape_rejects_sizes_below_one() -> None:
         grid_shape(0)
 
 
-def test_explicit_and_auto_axes() -> None:
-    assert make_mesh((4, 2), ("a", "b")).axis_types == (AxisType.Explicit,) * 2
-    assert make_mesh((8,), ("a",), explicit=False).axis_types == (AxisType.Auto,)
+def test_auto_axes_unless_explicit_asked_for() -> None:
+    assert make_mesh((4, 2), ("a", "b")).axis_types == (AxisType.Auto,) * 2
+    assert make_mesh((8,), ("a",), explicit=True).axis_types == (AxisType.Explicit,)
 
 
 def test_a_subset_of_devices() -> None:
@@ -53,11 +53,11 @@ def test_malformed_meshes(shape, names, message) -> None:
 
 
 def test_mesh_shape_per_rule_set() -> None:
-    assert mesh_shape(DP, 8) == mesh_shape(FSDP, 8) == (8, 1)
-    assert mesh_shape(TP, 8) == mesh_shape(FSDP_TP, 8) == (4, 2)
-    assert mesh_shape(TP, 16, model=4) == (4, 4)
-    assert mesh_shape(TP, 6, model=4) == (2, 3)  # the largest model size that divides 6
-    assert mesh_shape(TP, 7) == (7, 1)  # odd: TP has one device on `model`
+    assert DP.mesh_shape(8) == FSDP.mesh_shape(8) == (8, 1)
+    assert TP.mesh_shape(8) == FSDP_TP.mesh_shape(8) == (4, 2)
+    assert TP.replace(sizes=(-1, 4)).mesh_shape(16) == (4, 4)
+    assert TP.replace(sizes=(-1, 4)).mesh_shape(6) == (2, 3)  # the largest that divides 6
+    assert TP.mesh_shape(7) == (7, 1)  # odd: TP has one device on `model`
 
 
 def test_strategy_mesh() -> None:

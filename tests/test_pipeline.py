@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
@@ -11,11 +12,10 @@ from nnxscale import pipeline
 from nnxscale.data import book_batches
 from nnxscale.hlo import collectives
 from nnxscale.layout import resolve
-from nnxscale.mesh import strategy_mesh
 from nnxscale.model import TINY, create
-from nnxscale.rules import DP
+from nnxscale.rules import DP, strategy_mesh
 from nnxscale.schedules import ScheduleError, gpipe, interleaved, one_f_one_b
-from nnxscale.train import Trainer, TrainState, adamw, loss_and_grads
+from nnxscale.train import Trainer, adamw, loss_and_grads
 
 CFG = TINY.replace(layers=4, scan_layers=True)
 TOKENS = book_batches(batch_size=16).rows(0)
@@ -76,10 +76,19 @@ def test_the_tick_table_runs_every_task_once() -> None:
             assert sorted(micro[what[:, d] == kind, d]) == list(range(8))
 
 
+def test_receive_fills_the_micro_batch_slot_only_for_a_real_hand_over() -> None:
+    buffer = jnp.arange(6.0).reshape(3, 2)  # 3 slots: micro-batch i goes to slot i % 3
+    value = jnp.full(2, -1.0)
+    got = pipeline.receive(buffer, value, jnp.int32(4), jnp.bool_(True))
+    np.testing.assert_array_equal(got, [[0, 1], [-1, -1], [4, 5]])
+    kept = pipeline.receive(buffer, value, jnp.int32(4), jnp.bool_(False))  # from an idle stage
+    np.testing.assert_array_equal(kept, buffer)
+
+
 def test_training_through_the_pipeline_equals_one_device() -> None:
     mesh = pipeline.pipeline_mesh(4, 2)
-    one = Trainer.create(TrainState(CFG, adamw()), DP, strategy_mesh(DP, 1), dropout=False)
-    piped = Trainer.create(TrainState(CFG, adamw()), pipeline.PP_FSDP, mesh, dropout=False,
+    one = Trainer.create(create(CFG), adamw(), DP, strategy_mesh(DP, 1), dropout=False)
+    piped = Trainer.create(create(CFG), adamw(), pipeline.PP_FSDP, mesh, dropout=False,
                            grads_fn=pipeline.grads_fn(one_f_one_b(4, 4), mesh))  # fmt: skip
     batches = book_batches(batch_size=16)
     np.testing.assert_allclose(piped.train(batches, 3), one.train(batches, 3), rtol=0, atol=1e-5)

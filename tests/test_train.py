@@ -10,10 +10,10 @@ from flax import nnx
 
 from nnxscale.data import Batches, arithmetic_text, encode
 from nnxscale.memory import CompiledMemory, device_bytes
-from nnxscale.mesh import strategy_mesh
 from nnxscale.model import TINY, create
-from nnxscale.rules import DP, FSDP, FSDP_TP, TP
-from nnxscale.train import Trainer, TrainState, largest_difference, loss_and_grads, params_by_path
+from nnxscale.rules import DP, FSDP, FSDP_TP, TP, strategy_mesh
+from nnxscale.train import Trainer, loss_and_grads, params_by_path
+from nnxscale.trees import largest_difference
 
 STEPS = 4
 BATCHES = Batches(encode(arithmetic_text(2000)), batch_size=16, length=32)
@@ -22,7 +22,7 @@ BATCHES = Batches(encode(arithmetic_text(2000)), batch_size=16, length=32)
 def trainer(rules, devices: int = 8, **options) -> Trainer:
     cfg = options.pop("cfg", TINY)
     return Trainer.create(
-        TrainState(cfg, optax.adam(3e-3)), rules, strategy_mesh(rules, devices), **options
+        create(cfg), optax.adam(3e-3), rules, strategy_mesh(rules, devices), **options
     )
 
 

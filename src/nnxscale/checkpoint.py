@@ -21,6 +21,7 @@ import hashlib
 import json
 import re
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -37,9 +38,11 @@ from nnxscale.display import table
 from nnxscale.environment import versions
 from nnxscale.init import abstract
 from nnxscale.layout import resolve
+from nnxscale.losses import GradsFn, LossFn
 from nnxscale.model import Config
 from nnxscale.rules import Rules
 from nnxscale.train import Trainer, TrainState
+from nnxscale.trees import is_key, key_data, path_str, stand_in
 
 PARTIAL = ".orbax-checkpoint-tmp"
 """Suffix of the directory Orbax writes a step into before renaming it: an unfinished save."""
@@ -62,7 +65,7 @@ class Record:
     """What a checkpoint says about the run that saved it (its `meta/` item)."""
 
     step: int
-    config: dict[str, Any]
+    config: dict[str, Any] | None
     ema_decay: float
     rules: dict[str, Any]
     mesh: dict[str, int]
@@ -76,12 +79,15 @@ class Record:
         """Devices of the mesh the checkpoint was saved from."""
         return int(np.prod(list(self.mesh.values())))
 
-    def model_config(self) -> Config:
-        """The model configuration, as a `Config`."""
-        return Config(**self.config)
-
     def _repr_markdown_(self) -> str:
-        changed = {k: v for k, v in self.config.items() if getattr(Config(), k) != v}
+        default = dataclasses.asdict(Config())
+        if self.config is None:
+            model = "not recorded"
+        elif set(self.config) == set(default):  # the book's Transformer
+            changed = {k: v for k, v in self.config.items() if default[k] != v}
+            model = f"Config() with {changed}" if changed else "Config() (the defaults)"
+        else:
+            model = json.dumps(self.config)
         logical = ", ".join(
             f"{name}: {'+'.join(map(str, axes)) or 'replicated'}"
             for name, axes in self.rules["logical"].items()
@@ -89,7 +95,7 @@ class Record:
         data = self.data or {}
         rows = [
             ["step", self.step],
-            ["model", f"Config() with {changed}" if changed else "Config() (the defaults)"],
+            ["model", model],
             ["EMA decay", self.ema_decay],
             ["rule set", f"{self.rules['name']} ({logical})"],
             ["mesh", f"{self.mesh}: {self.devices} devices in {self.processes} process(es)"],
@@ -102,14 +108,14 @@ class Record:
 
 def record_of(trainer: Trainer, data: Batches | None) -> Record:
     """The record of `trainer`'s current state, and of where in `data` it stands."""
-    state = nnx.merge(trainer.graphdef, trainer.state)
+    state = nnx.merge(trainer.graphdef, trainer.state)  # no copy: the same arrays
     step = trainer.step_count()
     rules = dataclasses.asdict(trainer.layout.rules)
     position = None if data is None else {**data.describe(), "next_batch": step}
     installed = versions(("jax", "flax", "orbax-checkpoint"))
     return Record(
         step=step,
-        config=dataclasses.asdict(state.model.cfg),
+        config=trainer.config,
         ema_decay=float(state.ema_decay),
         rules=json.loads(json.dumps(rules)),  # tuples to lists, as the JSON will hold them
         mesh={str(k): int(v) for k, v in trainer.layout.mesh.shape.items()},
@@ -122,21 +128,18 @@ def record_of(trainer: Trainer, data: Batches | None) -> Record:
 
 def _leaves(tree: Any) -> list[tuple[str, Any]]:
     """(`/`-joined path, array or abstract array) of every leaf; NNX variables give their value."""
-    flat, _ = jax.tree_util.tree_flatten_with_path(
+    leaves, _ = jax.tree_util.tree_flatten_with_path(
         tree, is_leaf=lambda x: isinstance(x, nnx.Variable) or hasattr(x, "dtype")
     )
     return [
-        (
-            jax.tree_util.keystr(key_path, simple=True, separator="/"),
-            leaf.get_value() if isinstance(leaf, nnx.Variable) else leaf,
-        )
-        for key_path, leaf in flat
+        (path_str(key_path), leaf.get_value() if isinstance(leaf, nnx.Variable) else leaf)
+        for key_path, leaf in leaves
     ]
 
 
 def _stored(shape: tuple[int, ...], dtype: Any) -> tuple[tuple[int, ...], str]:
     """Shape and dtype as Orbax stores an array: random keys as their uint32 key data."""
-    if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+    if is_key(jax.ShapeDtypeStruct(shape, dtype)):
         data = jax.eval_shape(jax.random.key_data, jax.ShapeDtypeStruct(shape, dtype))
         return tuple(data.shape), str(data.dtype)
     return tuple(shape), str(np.dtype(dtype))
@@ -213,9 +216,7 @@ def checksums(tree: Any) -> dict[str, str]:
     """Path -> SHA-256 (first 16 hex digits) of each array's shape, dtype and bytes."""
     sums = {}
     for path, leaf in _leaves(tree):
-        if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
-            leaf = jax.random.key_data(leaf)
-        host = np.asarray(jax.device_get(leaf))
+        host = np.asarray(jax.device_get(key_data(leaf)))
         digest = hashlib.sha256(f"{host.shape}{host.dtype}".encode())
         digest.update(np.ascontiguousarray(host).tobytes())
         sums[path] = digest.hexdigest()[:16]
@@ -260,9 +261,11 @@ class Checkpoints:
             )
         self.discarded = self.partial() if create else []
         options = ocp.CheckpointManagerOptions(
-            max_to_keep=keep, enable_async_checkpointing=asynchronous, create=create,
+            max_to_keep=keep,
+            enable_async_checkpointing=asynchronous,
+            create=create,
             cleanup_tmp_directories=create,
-        )  # fmt: skip
+        )
         handlers = {"state": ocp.StandardCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()}
         self.manager = ocp.CheckpointManager(
             self.directory, options=options, item_handlers=handlers
@@ -361,27 +364,45 @@ class Checkpoints:
         return restored["state"]
 
     def restore(
-        self, tx: optax.GradientTransformation, rules: Rules, mesh: Mesh, *,
+        self, model: nnx.Module | Callable[[dict[str, Any] | None], nnx.Module],
+        tx: optax.GradientTransformation, rules: Rules, mesh: Mesh, *,
         step: int | None = None, data: Batches | None = None, micro_batches: int = 1,
-        dropout: bool = True,
+        dropout: bool = True, loss_fn: LossFn | None = None, grads_fn: GradsFn | None = None,
     ) -> Trainer:  # fmt: skip
         """A trainer resumed from the checkpoint of `step`, laid out by `rules` on `mesh`.
 
-        The model configuration and EMA decay come from the checkpoint's record; `tx` must
-        have the structure of the optimizer that saved it. With `data`, check that it is the
-        data the run was trained on, so training continues with the very next batch.
+        `model` gives the model's structure: a module (concrete or abstract, only its shapes
+        are used) or a function that builds one from the configuration the checkpoint
+        recorded (`Transformer.from_config` for the book's). `tx` must have the structure of
+        the optimizer that saved it; the EMA decay comes from the record. `loss_fn` or
+        `grads_fn` are the training's own, as given to `Trainer.create`. With `data`, check
+        that it is the data the run was trained on, so training continues with the very next
+        batch. Every device reads only its shards, straight from the files.
         """
         record = self.record(step)
         if data is not None:
             check_data(record, data)
-        cfg = record.model_config()
-        graphdef, values = nnx.split(
-            abstract(lambda: TrainState(cfg, tx, ema_decay=record.ema_decay))
-        )
+
+        def create_state() -> TrainState:
+            if isinstance(model, nnx.Module):  # abstract arrays become stand-ins while tracing
+                graphdef, values = nnx.split(model)
+                structure = nnx.merge(graphdef, jax.tree.map(stand_in, values))
+            else:
+                structure = model(record.config)
+            return TrainState(structure, tx, ema_decay=record.ema_decay)
+
+        graphdef, values = nnx.split(abstract(create_state))
         layout = resolve(values, rules, mesh)
         state = self.restore_state(restore_target(values, layout.shardings()), record.step)
-        return Trainer.from_split(
-            graphdef, state, rules, mesh, micro_batches=micro_batches, dropout=dropout
+        return Trainer.from_layout(
+            graphdef,
+            state,
+            layout,
+            micro_batches=micro_batches,
+            dropout=dropout,
+            loss_fn=loss_fn,
+            grads_fn=grads_fn,
+            config=record.config,
         )
 
     def restore_into(

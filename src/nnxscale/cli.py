@@ -5,6 +5,20 @@
 its own and reports checksums. A new process is the only way to get another device count:
 JAX fixes it when it starts. `run` launches one and returns its output; `crash_during_save`
 launches a training run and kills it while it writes a checkpoint.
+
+What a command reports, it prints as JSON lines, one event each: `{"event": KIND,
+"process": I, ...}`, where I is the JAX process index; `events` reads them back. The kinds:
+
+- train: `start` (`processes`, `local_devices`, `devices`, `rows` [start, stop] of each
+  batch of `batch_size` this process loads), `resumed` (`step`) when DIR held a checkpoint,
+  `step` (`step`, `loss`: the loss of that step, exactly, for every step), `checksums`
+  (`step`, `sums`: array path -> checksum, in one-process runs only) as a save of `step`
+  begins, `saving` (`step`, `blocked_seconds`) once the save writes in the background, and
+  `written` (`waited_seconds`) when every save is on disk.
+- restore: `restored` (`step`, `devices`, `platform`, `saved` {`rules`, `mesh`, `devices`},
+  `rules`, `mesh`, `seconds`, `bytes_per_device`, `total_bytes`, `embed` {`shape`, `spec`,
+  `shard_shape`}, `arrays`: how many were checksummed).
+- collective: `hello` (`processes`, `local_devices`, `devices`, `sum`).
 """
 
 from __future__ import annotations
@@ -21,6 +35,7 @@ import threading
 import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -31,25 +46,46 @@ from nnxscale.checkpoint import Checkpoints, checksums
 from nnxscale.data import book_batches
 from nnxscale.devices import emulate_devices
 from nnxscale.launch import COORDINATOR, initialize
-from nnxscale.mesh import strategy_mesh
-from nnxscale.model import TINY
-from nnxscale.rules import RULE_SETS
-from nnxscale.train import Trainer, TrainState, adamw
+from nnxscale.model import TINY, Transformer, create
+from nnxscale.rules import RULE_SETS, strategy_mesh
+from nnxscale.train import Trainer, adamw
 
-SAVING = re.compile(r"^saving step (\d+)")
-LOSS = re.compile(r"^step (\d+) loss (\S+)")
-
-
-def losses_in(lines: Iterable[str], prefix: str = "") -> dict[int, float]:
-    """Step -> loss, from a trainer's output lines (one process's, with its launcher prefix)."""
-    found = (LOSS.match(line.removeprefix(prefix)) for line in lines)
-    return {int(m[1]): float(m[2]) for m in found if m}
+PREFIX = re.compile(r"^\[process (\d+)\] ")
+"""What the launcher puts before each line of a worker's output."""
 
 
-def checksums_in(lines: Iterable[str]) -> dict[int, dict[str, str]]:
-    """Step -> the checksums a trainer printed as it started saving that step."""
-    return {int(m[1]): json.loads(line.split("checksums ", 1)[1])
-            for line in lines if (m := SAVING.match(line))}  # fmt: skip
+def emit(event: str, **fields: Any) -> None:
+    """Print one event as a JSON line: `{"event": event, "process": index, **fields}`."""
+    print(json.dumps({"event": event, "process": jax.process_index(), **fields}), flush=True)
+
+
+def events(
+    lines: str | Iterable[str], kind: str | None = None, process: int | None = None
+) -> list[dict[str, Any]]:
+    """The events in a command's output (a string or its lines), optionally of one kind or process.
+
+    Lines that are not a JSON object with an `"event"` (warnings, logs) are skipped. A
+    launcher's `[process N] ` prefix is removed; an event without a `"process"` gets N.
+    """
+    found = []
+    for line in lines.splitlines() if isinstance(lines, str) else lines:
+        line = line.rstrip("\n")
+        prefix = PREFIX.match(line)
+        text = line[prefix.end() :] if prefix else line
+        try:
+            event = json.loads(text)
+        except ValueError:
+            continue
+        if not isinstance(event, dict) or "event" not in event:
+            continue
+        if prefix and "process" not in event:
+            event["process"] = int(prefix[1])
+        if kind is not None and event["event"] != kind:
+            continue
+        if process is not None and event.get("process") != process:
+            continue
+        found.append(event)
+    return found
 
 
 def _train(args: argparse.Namespace) -> None:
@@ -59,24 +95,26 @@ def _train(args: argparse.Namespace) -> None:
     batches = book_batches(args.batch_size)
     with Checkpoints(args.directory, keep=args.keep) as checkpoints:
         if checkpoints.steps():
-            trainer = checkpoints.restore(adamw(), rules, mesh, data=batches)
-            print(f"resumed from step {trainer.step_count()}", flush=True)
+            trainer = checkpoints.restore(
+                Transformer.from_config, adamw(), rules, mesh, data=batches
+            )
+            emit("resumed", step=trainer.step_count())
         else:
-            trainer = Trainer.create(TrainState(cfg, adamw()), rules, mesh)
+            trainer = Trainer.create(create(cfg), adamw(), rules, mesh)
         start, stop = batches.local_rows(trainer.batch)
-        print(f"process {jax.process_index()} of {jax.process_count()}: "
-              f"{jax.local_device_count()} of {jax.device_count()} devices, loads rows "
-              f"{start}:{stop} of each batch of {batches.batch_size}", flush=True)  # fmt: skip
+        emit(
+            "start", processes=jax.process_count(), local_devices=jax.local_device_count(),
+            devices=jax.device_count(), rows=[start, stop], batch_size=batches.batch_size,
+        )  # fmt: skip
         while trainer.step_count() < args.steps:
             (loss,) = trainer.train(batches, 1)
             step = trainer.step_count()
-            print(f"step {step - 1} loss {loss!r}", flush=True)
+            emit("step", step=step - 1, loss=float(loss))  # JSON keeps every bit of a float
             if step % args.save_every == 0 or step == args.steps:
-                sums = checksums(trainer.state) if jax.process_count() == 1 else {}
-                blocked = checkpoints.save(trainer, batches)
-                print(f"saving step {step} (blocked {blocked * 1e3:.0f} ms) "
-                      f"checksums {json.dumps(sums)}", flush=True)  # fmt: skip
-        print(f"all saves written after {checkpoints.wait() * 1e3:.0f} ms more", flush=True)
+                if jax.process_count() == 1:  # checksums need every shard in this process
+                    emit("checksums", step=step, sums=checksums(trainer.state))
+                emit("saving", step=step, blocked_seconds=checkpoints.save(trainer, batches))
+        emit("written", waited_seconds=checkpoints.wait())
 
 
 def _restore(args: argparse.Namespace) -> None:
@@ -85,20 +123,24 @@ def _restore(args: argparse.Namespace) -> None:
     with Checkpoints(args.directory, create=False) as checkpoints:
         record = checkpoints.record(args.step)
         start = time.perf_counter()
-        trainer = checkpoints.restore(adamw(), rules, mesh, step=record.step)
+        trainer = checkpoints.restore(
+            Transformer.from_config, adamw(), rules, mesh, step=record.step
+        )
         jax.block_until_ready(trainer.state)
         seconds = time.perf_counter() - start
     layout = trainer.layout
-    print(f"a new process with {jax.device_count()} {jax.devices()[0].platform} devices")
-    print(f"checkpoint of step {record.step}, saved under {record.rules['name']} on mesh "
-          f"{record.mesh} ({record.devices} devices)")  # fmt: skip
-    held = f"{layout.bytes_per_device():,} of {layout.total_bytes():,} bytes per device"
-    print(f"restored under {rules.name} on mesh {dict(mesh.shape)} in {seconds:.2f} s: {held}")
     embed = trainer.state["model"]["embed"][...]
-    print(f"model/embed {embed.shape}: {embed.sharding.spec}, shards of "
-          f"{embed.addressable_shards[0].data.shape} on each device")  # fmt: skip
     sums = checksums(trainer.state)
-    print(f"{len(sums)} arrays checksummed")
+    emit(
+        "restored", step=record.step, devices=jax.device_count(),
+        platform=jax.devices()[0].platform,
+        saved={"rules": record.rules["name"], "mesh": record.mesh, "devices": record.devices},
+        rules=rules.name, mesh=dict(mesh.shape), seconds=seconds,
+        bytes_per_device=layout.bytes_per_device(), total_bytes=layout.total_bytes(),
+        embed={"shape": embed.shape, "spec": tuple(embed.sharding.spec),
+               "shard_shape": embed.addressable_shards[0].data.shape},
+        arrays=len(sums),
+    )  # fmt: skip
     if args.report:
         report = {"step": record.step, "devices": jax.device_count(), "seconds": seconds,
                   "checksums": sums}  # fmt: skip
@@ -107,14 +149,13 @@ def _restore(args: argparse.Namespace) -> None:
 
 def _collective(args: argparse.Namespace) -> None:
     """In a launched run: sum one number per device over every process, report, then hold."""
-    index, count = jax.process_index(), jax.process_count()
     mesh = jax.make_mesh((jax.device_count(),), ("all",))
     ones = jax.make_array_from_process_local_data(
         NamedSharding(mesh, PartitionSpec("all")), np.ones(jax.local_device_count(), np.int32)
     )
     total = int(jax.jit(jnp.sum, out_shardings=NamedSharding(mesh, PartitionSpec()))(ones))
-    print(f"process {index} of {count}: {jax.local_device_count()} local devices, "
-          f"{jax.device_count()} in all, sum over every device {total}", flush=True)  # fmt: skip
+    emit("hello", processes=jax.process_count(), local_devices=jax.local_device_count(),
+         devices=jax.device_count(), sum=total)  # fmt: skip
     time.sleep(args.hold)
 
 
@@ -161,8 +202,8 @@ class Crash:
     """What a training run killed during a save printed before it died."""
 
     output: list[str]
-    losses: dict[int, float]
-    checksums: dict[int, dict[str, str]]
+    losses: dict[int, float]  # step -> loss, as `events(output, "step")` reports them
+    checksums: dict[int, dict[str, str]]  # step -> sums, from `events(output, "checksums")`
     killed_at: int
     returncode: int
 
@@ -173,7 +214,7 @@ def crash_during_save(
 ) -> Crash:  # fmt: skip
     """Train to `steps`, saving every `save_every`; SIGKILL the process as its last save starts.
 
-    The process prints `saving step k` as soon as Orbax has taken the state off the devices
+    The process reports a `saving` event as soon as Orbax has taken the state off the devices
     and the write has begun in the background; the kill lands while the files are written.
     """
     command = [
@@ -184,28 +225,30 @@ def crash_during_save(
     child = subprocess.Popen(
         command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1
     )
-    output = []
+    output, killed = [], False
     timer = threading.Timer(timeout, child.kill)
     timer.start()
     try:
         for line in child.stdout:
-            if (saving := SAVING.match(line)) and int(saving[1]) == steps:
+            if any(saving["step"] == steps for saving in events([line], "saving")):
                 os.kill(child.pid, signal.SIGKILL)
+                killed = True
             output.append(line.rstrip("\n"))
     finally:
         timer.cancel()
         if child.poll() is None:
             child.kill()
         child.wait()
-    sums = checksums_in(output)
-    if child.returncode == -signal.SIGKILL and steps not in sums:
+    sums = {event["step"]: event["sums"] for event in events(output, "checksums")}
+    if child.returncode == -signal.SIGKILL and not killed:
         raise TimeoutError(f"{' '.join(command[1:])} ran over {timeout} s and was killed")
     if child.returncode != -signal.SIGKILL:
         raise RuntimeError(
             f"the training run ended with {child.returncode} before its step-{steps} save "
             "could be interrupted:\n" + "\n".join(output)
         )
-    return Crash(output, losses_in(output), sums, steps, child.returncode)
+    losses = {event["step"]: event["loss"] for event in events(output, "step")}
+    return Crash(output, losses, sums, steps, child.returncode)
 
 
 if __name__ == "__main__":

@@ -21,17 +21,15 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.ad_checkpoint import checkpoint_name, print_saved_residuals
+from jax.ad_checkpoint import print_saved_residuals
 from jax.extend.core import Primitive
 from jax.sharding import Mesh, PartitionSpec
 
+from nnxscale.comm import GATHERED, gather_tree
 from nnxscale.layout import resolve
+from nnxscale.losses import GradsFn, cross_entropy
 from nnxscale.model import Transformer
 from nnxscale.rules import FSDP, Rules
-from nnxscale.train import GradsFn, cross_entropy
-
-GATHERED = "fsdp_gathered"
-"""The name that marks gathered weights for remat policies."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,19 +66,6 @@ def saved_for_backward(f: Callable[..., jax.Array], *args: object) -> list[str]:
     with contextlib.redirect_stdout(out):
         print_saved_residuals(f, *args)
     return out.getvalue().splitlines()
-
-
-def gather(shard: jax.Array, spec: PartitionSpec, axis: str) -> jax.Array:
-    """The whole array from this device's shard: an all-gather along the dimension `axis` splits."""
-    dims = [d for d, entry in enumerate(spec) if entry == axis]
-    if not dims:
-        return shard  # replicated: every device already holds all of it
-    return checkpoint_name(jax.lax.all_gather(shard, axis, axis=dims[0], tiled=True), GATHERED)
-
-
-def gather_tree(shards: nnx.State, specs: nnx.State, axis: str) -> nnx.State:
-    """`gather` applied to every array of a state, each with its spec from the layout."""
-    return jax.tree.map(lambda x, s: gather(x, s, axis), shards, specs)
 
 
 def run_layers(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from typing import Any
 
 import jax
@@ -13,6 +14,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from nnxscale.display import table
 from nnxscale.rules import RuleError, Rules
+from nnxscale.trees import flat
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,6 +30,9 @@ class Placement:
     bytes_per_device: int
     total_bytes: int
     reason: str
+    fallback: bool = False
+    """Whether the rules asked for a split that could not be made (or for none at all, in a
+    rule set that splits other arrays): the array is split less than the rules intend."""
 
     @property
     def pieces(self) -> int:
@@ -90,21 +95,47 @@ def _place_logical(
 
 
 def _place(
-    path: str, shape: tuple[int, ...], logical: tuple[str | None, ...] | None, rules: Rules,
+    path: str,
+    shape: tuple[int, ...],
+    logical: tuple[str | None, ...] | None,
+    rules: Rules,
     mesh: Mesh,
-) -> tuple[list[tuple[str, ...] | None], str]:  # fmt: skip
-    if logical is not None:
+) -> tuple[list[tuple[str, ...] | None], str, bool]:
+    """Mesh axes for each dimension, the reason, and whether the rules could not be followed."""
+    chosen: list[tuple[str, ...] | None] = [None] * len(shape)
+    notes: list[str] = []
+    if logical is not None and rules.annotations != "ignore":
         chosen, notes = _place_logical(path, shape, logical, rules, mesh)
-        return chosen, "; ".join(notes)
-    chosen = [None] * len(shape)
-    if rules.auto_axis is None:
-        return chosen, "no logical names: replicated"
-    size = mesh.shape[rules.auto_axis]
-    dim = largest_divisible_dim(shape, size)
+        if rules.auto_axis is None or rules.annotations == "use":
+            return chosen, "; ".join(notes), bool(notes) and not any(chosen)
+    elif rules.auto_axis is None:
+        if rules.strict and rules.shards_anything() and shape:
+            raise RuleError(
+                f"{path}: an array of shape {shape} has no logical names, and rule set "
+                f"{rules.name!r} is strict and has no automatic axis. Annotate it, add a path "
+                "rule for it, or use auto_fsdp(...) to split unnamed arrays."
+            )
+        return chosen, "no logical names: replicated", rules.shards_anything() and bool(shape)
+    axis, size = rules.auto_axis, mesh.shape[rules.auto_axis]
+    if any(axis in (axes or ()) for axes in chosen):
+        return chosen, "; ".join([*notes, f"{axis} already splits another dimension"]), False
+    whole_dims = tuple(0 if axes else n for n, axes in zip(shape, chosen, strict=True))
+    dim = largest_divisible_dim(whole_dims, size)
+    kind = "fill" if logical is not None and rules.annotations == "fill" else "auto"
     if dim is None:
-        return chosen, f"auto: no dimension divisible by {rules.auto_axis} ({size}), replicated"
-    chosen[dim] = (rules.auto_axis,)
-    return chosen, f"auto: largest dimension divisible by {rules.auto_axis} ({size})"
+        if rules.strict and shape:
+            raise RuleError(
+                f"{path}: no whole dimension of shape {shape} is divisible by {axis} ({size}) "
+                f"and rule set {rules.name!r} is strict. Pad a dimension to a multiple of "
+                f"{size}, use a mesh whose {axis} divides one, or strict=False to replicate it."
+            )
+        split = any(chosen)
+        whole = f"{kind}: no {'whole ' if split else ''}dimension divisible by {axis} ({size}), "
+        whole += "so not split further" if split else "replicated"
+        return chosen, "; ".join([*notes, whole]), not split and bool(shape) and size > 1
+    chosen[dim] = (axis,)
+    picked = f"{kind}: largest dimension divisible by {axis} ({size})"
+    return chosen, "; ".join([*notes, picked]), False
 
 
 def _logical_names(leaf: Any, path: str, rules: Rules) -> tuple[str | None, ...] | None:
@@ -146,6 +177,33 @@ class Layout:
         """Bytes of the arrays that no mesh axis splits: held whole by every device."""
         return sum(p.total_bytes for p in self.placements if not any(p.spec))
 
+    def replicated(self, min_bytes: int = 0) -> list[Placement]:
+        """The arrays of at least `min_bytes` that every device holds whole, largest first."""
+        whole = [p for p in self.placements if p.pieces == 1 and p.total_bytes >= min_bytes]
+        return sorted(whole, key=lambda p: -p.total_bytes)
+
+    @property
+    def batch(self) -> NamedSharding:
+        """Where a batch goes: every array of it split on its first dimension over the mesh
+        axes of the rule set's `batch` rule (the first candidate the mesh has), the rest whole."""
+        for axes in self.rules.candidates("batch", "the batch"):
+            if set(axes) <= set(self.mesh.axis_names):
+                return NamedSharding(self.mesh, PartitionSpec(_spec_entry(axes)))
+        return NamedSharding(self.mesh, PartitionSpec())
+
+    def __str__(self) -> str:
+        whole = self.replicated()
+        lines = [
+            f"{self.rules.name} on mesh {dict(self.mesh.shape)}: {len(self.placements)} arrays, "
+            f"{self.bytes_per_device():,} of {self.total_bytes():,} bytes per device "
+            f"({self.bytes_per_device() / max(1, self.total_bytes()):.1%}), "
+            f"{len(whole)} held whole by every device"
+        ]
+        lines += [
+            f"  {p.path} {p.shape} -> {tuple(p.spec)} {p.shard_shape}" for p in self.placements
+        ]
+        return "\n".join(lines)
+
     def __getitem__(self, path: str) -> Placement:
         for placement in self.placements:
             if placement.path == path:
@@ -167,11 +225,21 @@ class Layout:
         return str(table([*headers, "note"], rows, title))
 
 
-def resolve(tree: Any, rules: Rules, mesh: Mesh) -> Layout:
+WARN_BYTES = 1 << 20
+"""Arrays at least this large that the rules meant to split and could not are warned about."""
+
+
+class ReplicationWarning(UserWarning):
+    """Arrays that a rule set meant to split are held whole by every device."""
+
+
+def resolve(tree: Any, rules: Rules, mesh: Mesh, *, warn_bytes: int = WARN_BYTES) -> Layout:
     """Place every array of `tree` (an nnx State, a module's state, or any pytree) on `mesh`.
 
     Logical names come from a matching path rule, else the variable's `out_sharding`
     annotation; arrays with neither are replicated, or split by the automatic FSDP rule.
+    Arrays of at least `warn_bytes` that the rules could not split raise a
+    `ReplicationWarning` naming them (`Layout.replicated()` lists every whole array).
     """
     missing = sorted(rules.mesh_axes() - set(mesh.axis_names))
     if missing:
@@ -180,24 +248,49 @@ def resolve(tree: Any, rules: Rules, mesh: Mesh) -> Layout:
             f"{dict(mesh.shape)} does not have. Add them to the mesh (size 1 is fine) or use "
             "a rule set written for this mesh."
         )
-    flat, treedef = jax.tree_util.tree_flatten_with_path(
-        tree, is_leaf=lambda x: isinstance(x, nnx.Variable)
-    )
+    treedef = jax.tree.structure(tree, is_leaf=lambda x: isinstance(x, nnx.Variable))
     placements, specs = [], []
-    for key_path, leaf in flat:
-        path = jax.tree_util.keystr(key_path, simple=True, separator="/")
+    for path, leaf in flat(tree):
         shape = tuple(int(d) for d in np.shape(leaf))
         dtype = leaf.dtype  # a NumPy dtype, or a JAX key type (which has an itemsize too)
         logical = _logical_names(leaf, path, rules)
-        chosen, reason = _place(path, shape, logical, rules, mesh)
+        chosen, reason, fallback = _place(path, shape, logical, rules, mesh)
         spec = PartitionSpec(*(_spec_entry(axes) for axes in chosen))
         splits = [_axes_size(mesh, a) if a else 1 for a in chosen]
         shard = tuple(s // k for s, k in zip(shape, splits, strict=True))
         placements.append(
             Placement(
-                path, shape, str(dtype), logical, spec, shard,
-                math.prod(shard) * dtype.itemsize, math.prod(shape) * dtype.itemsize, reason,
+                path,
+                shape,
+                str(dtype),
+                logical,
+                spec,
+                shard,
+                math.prod(shard) * dtype.itemsize,
+                math.prod(shape) * dtype.itemsize,
+                reason,
+                fallback,
             )
-        )  # fmt: skip
+        )
         specs.append(leaf.replace(spec) if isinstance(leaf, nnx.Variable) else spec)
-    return Layout(rules, mesh, placements, treedef.unflatten(specs))
+    layout = Layout(rules, mesh, placements, treedef.unflatten(specs))
+    _warn_if_whole([p for p in placements if p.fallback and p.pieces == 1], layout, warn_bytes)
+    return layout
+
+
+def _warn_if_whole(whole: list[Placement], layout: Layout, warn_bytes: int) -> None:
+    big = sorted((p for p in whole if p.total_bytes >= warn_bytes), key=lambda p: -p.total_bytes)
+    if not big:
+        return
+    listed = ", ".join(f"{p.path} {p.shape} ({p.reason})" for p in big[:3])
+    more = f" and {len(big) - 3} more" if len(big) > 3 else ""
+    held = sum(p.total_bytes for p in big)
+    warnings.warn(
+        ReplicationWarning(
+            f"rule set {layout.rules.name!r} on mesh {dict(layout.mesh.shape)} leaves "
+            f"{len(big)} arrays of {held:,} bytes whole on every device: {listed}{more}. "
+            "Use a mesh whose axes divide their dimensions, add rules or annotations for "
+            "them, or auto_fsdp(...); Layout.replicated() lists every whole array."
+        ),
+        stacklevel=3,
+    )

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -153,6 +154,11 @@ class Transformer(nnx.Module):
             self.blocks = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.layers)])
         self.final_norm = RMSNorm(cfg, rngs=rngs)
         self.head = _param(rngs, (cfg.embed, cfg.vocab), ("embed", "vocab"), cfg.embed)
+
+    @classmethod
+    def from_config(cls, config: Mapping[str, Any], seed: int = 0) -> Transformer:
+        """The Transformer a checkpoint's record describes (its `Config` as a dict)."""
+        return create(Config(**config), seed)
 
     def __call__(self, tokens: jax.Array, *, dropout_key: jax.Array | None = None) -> jax.Array:
         """Logits (batch, length, vocab) for integer tokens (batch, length); dropout if keyed."""

@@ -16,7 +16,9 @@ once, after them (autodiff's transpose of that gather).
 
 from __future__ import annotations
 
+import functools
 import math
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -24,27 +26,16 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, PartitionSpec
 
-from nnxscale import fsdp
+from nnxscale.comm import gather_tree
 from nnxscale.layout import resolve
+from nnxscale.losses import GradsFn, cross_entropy
 from nnxscale.mesh import make_mesh
 from nnxscale.model import Transformer
-from nnxscale.rules import Rules
+from nnxscale.rules import FSDP_AXIS, PP, PP_FSDP, STAGE, Rules
 from nnxscale.schedules import FORWARD, Schedule, ScheduleError, simulate, split_layers
-from nnxscale.train import GradsFn, cross_entropy, place
+from nnxscale.trees import place
 
-STAGE, FSDP_AXIS = "stage", "fsdp"
 IDLE, RUN_FORWARD, RUN_BACKWARD = 0, 1, 2
-
-_NAMES = ("vocab", "embed", "heads", "head_dim", "mlp", "length")
-PP = Rules("PP", {**dict.fromkeys(_NAMES, ()), "layers": (STAGE,), "batch": ()})
-"""Pipeline parallelism: each block's layers split over `stage`, everything else replicated."""
-
-PP_FSDP = Rules(
-    "PP+FSDP",
-    {**dict.fromkeys(_NAMES, ()), "layers": (STAGE,), "batch": (FSDP_AXIS,),
-     "embed": (FSDP_AXIS,), "mlp": (FSDP_AXIS,), "vocab": (FSDP_AXIS,)},
-)  # fmt: skip
-"""Pipeline stages over `stage`, and FSDP over `fsdp` inside each stage."""
 
 
 def pipeline_mesh(stages: int, fsdp_size: int = 0) -> Mesh:
@@ -56,7 +47,7 @@ def pipeline_mesh(stages: int, fsdp_size: int = 0) -> Mesh:
             f"a {dict(zip(names, shape, strict=True))} pipeline needs {count} devices and "
             f"there are {jax.device_count()}: use fewer stages or a smaller fsdp axis."
         )
-    return make_mesh(shape, names, explicit=False, devices=jax.devices()[:count])
+    return make_mesh(shape, names, devices=jax.devices()[:count])
 
 
 def rules_for(mesh: Mesh) -> Rules:
@@ -85,18 +76,126 @@ def tick_table(schedule: Schedule) -> tuple[np.ndarray, np.ndarray]:
     return what, micro
 
 
+def _run_layers(blocks: nnx.Module, x: jax.Array) -> jax.Array:
+    """The stage's stacked layers in a `lax.scan` (whole weights here; nothing to gather)."""
+    graphdef, weights = nnx.split(blocks)
+    return jax.lax.scan(lambda h, w: (nnx.merge(graphdef, w)(h, None), None), x, weights)[0]
+
+
 def _stage_loss(
     params: nnx.State, x_in: jax.Array, tokens: jax.Array, graphdef: nnx.GraphDef,
-    rest: nnx.State, block_specs: nnx.State, scale: float,
+    rest: nnx.State, scale: float,
 ) -> tuple[jax.Array, jax.Array]:  # fmt: skip
     """This device's stage on one micro-batch: (its output, its share of the loss if last)."""
     stage, stages = jax.lax.axis_index(STAGE), jax.lax.axis_size(STAGE)
     model: Transformer = nnx.merge(graphdef, params, rest)
     x = jnp.where(stage == 0, model.embed_tokens(tokens[:, :-1]), x_in)
-    # The stage's layers in a scan; their weights are whole here, so nothing is gathered.
-    y = fsdp.run_layers(model.blocks, block_specs, x, None, fsdp.Options(regather=False))
+    y = _run_layers(model.blocks, x)
     loss = cross_entropy(model.unembed(y), tokens[:, 1:]) * scale
     return y, jnp.where(stage == stages - 1, loss, 0.0)
+
+
+StageFn = Callable[[nnx.State, jax.Array, jax.Array], tuple[jax.Array, jax.Array]]
+"""One device's stage: (its weights, its input, the micro-batch's tokens) -> (output, loss)."""
+
+
+def _check(model: Transformer, batch: jax.Array, schedule: Schedule, mesh: Mesh) -> None:
+    """Refuse, with the reason, a pipeline the executor cannot run, before anything is traced."""
+    if not model.cfg.scan_layers:
+        raise ValueError("the executor splits stacked layers: use Config(scan_layers=True)")
+    p, m = mesh.shape[STAGE], schedule.micro_batches
+    if schedule.devices != p:
+        raise ScheduleError(f"the schedule has {schedule.devices} stages, the mesh {p}")
+    split_layers(model.cfg.layers, p)  # raises if the layers do not divide into stages
+    if batch.shape[0] % m:
+        raise ScheduleError(f"a batch of {batch.shape[0]} rows cannot make {m} micro-batches")
+
+
+def stage_weights(shards: nnx.State, specs: nnx.State, inner: str | None) -> nnx.State:
+    """This stage's weights: marked as varying over `stage`, then gathered over `fsdp`."""
+    on_every_stage = jax.tree.map(lambda s: STAGE not in tuple(s), specs)
+    shards = jax.tree.map(
+        lambda x, r: jax.lax.pcast(x, STAGE, to="varying") if r else x, shards, on_every_stage
+    )
+    return gather_tree(shards, specs, inner) if inner else shards
+
+
+def receive(buffer: jax.Array, value: jax.Array, index: jax.Array, valid: jax.Array) -> jax.Array:
+    """`buffer` with `value` in micro-batch `index`'s slot if a task sent it (`valid`)."""
+    slot = index % buffer.shape[0]
+    return buffer.at[slot].set(jnp.where(valid, value, buffer[slot]))
+
+
+Carry = tuple[jax.Array, jax.Array, jax.Array, nnx.State, jax.Array]
+"""From tick to tick: received inputs, received input gradients, saved inputs, gradients, loss."""
+
+
+def tick(
+    carry: Carry,
+    row: tuple[jax.Array, jax.Array],
+    *,
+    d: jax.Array,
+    stage: StageFn,
+    params: nnx.State,
+    tokens: jax.Array,
+    zeros: jax.Array,
+) -> tuple[Carry, None]:
+    """One clock tick on device `d`: run its task with `lax.switch`, then the two hand-overs."""
+    inputs, grads_in, saved, grads, loss = carry
+    task, i = row[0][d], row[1][d]  # this device's task at this tick
+    forward, backward, slot = task == RUN_FORWARD, task == RUN_BACKWARD, i % saved.shape[0]
+
+    def idle():
+        return zeros, loss, grads, zeros
+
+    def run_forward():  # micro-batch i through the stage; its input is kept below
+        y, part = stage(params, inputs[slot], tokens[i])
+        return y, loss + part, grads, zeros
+
+    def run_backward():  # recompute the stage from its saved input, then pull back
+        _, pullback = jax.vjp(lambda p_, x_: stage(p_, x_, tokens[i]), params, saved[slot])
+        g_params, g_x = pullback((grads_in[slot], jnp.ones_like(loss)))
+        return zeros, loss, jax.tree.map(jnp.add, grads, g_params), g_x
+
+    # Each device runs only the branch its task names: a conditional, not a select.
+    y, loss, grads, g_x = jax.lax.switch(task, (idle, run_forward, run_backward))
+    saved = saved.at[slot].set(jnp.where(forward, inputs[slot], saved[slot]))
+    # Hand-overs: outputs to the next stage, input gradients to the previous one.
+    p = jax.lax.axis_size(STAGE)
+    ahead, back = [(s, s + 1) for s in range(p - 1)], [(s + 1, s) for s in range(p - 1)]
+    sent = [jax.lax.ppermute(v, STAGE, ahead) for v in (y, i, forward)]
+    inputs = receive(inputs, *sent)
+    sent = [jax.lax.ppermute(v, STAGE, back) for v in (g_x, i, backward)]
+    grads_in = receive(grads_in, *sent)
+    return (inputs, grads_in, saved, grads, loss), None
+
+
+def per_device(
+    shards: nnx.State,
+    tokens: jax.Array,
+    *,
+    stage: StageFn,
+    specs: nnx.State,
+    inner: str | None,
+    table: tuple[np.ndarray, np.ndarray],
+    slots: int,
+) -> tuple[jax.Array, nnx.State]:
+    """One device's step: gather its stage's weights once, scan the ticks, sum loss and grads."""
+    d = jax.lax.axis_index(STAGE)
+    # Once per step, before the ticks; the transposes of `stage_weights` run once after them, on
+    # the summed gradients: reduce-scatter over `fsdp`, then the shards of the arrays every
+    # stage holds (embeddings, head) summed over `stage`.
+    params, to_shards = jax.vjp(lambda s: stage_weights(s, specs, inner), shards)
+    shape = jax.eval_shape(stage, params, jnp.zeros((), jnp.float32), tokens[0])[0]
+    varying = tuple(a for a in (STAGE, inner) if a)
+    zeros = jax.lax.pcast(jnp.zeros(shape.shape, shape.dtype), varying, to="varying")
+    buffers = jnp.stack([zeros] * slots)  # stage inputs, input gradients, saved inputs
+    loss = jax.lax.pcast(jnp.zeros((), jnp.float32), varying, to="varying")
+    start = (buffers, buffers, buffers, jax.tree.map(jnp.zeros_like, params), loss)
+    step = functools.partial(tick, d=d, stage=stage, params=params, tokens=tokens, zeros=zeros)
+    (_, _, _, grads, loss), _ = jax.lax.scan(step, start, tuple(map(jnp.asarray, table)))
+    axes = (STAGE, inner) if inner else STAGE
+    return jax.lax.psum(loss, axes), to_shards(grads)[0]
 
 
 def loss_and_grads(
@@ -107,92 +206,21 @@ def loss_and_grads(
     The parameters must be laid out by `rules_for(mesh)` (`placed` does that): `PP`, or
     `PP_FSDP` on a mesh with `stage` and `fsdp`; the gradients come back in the same layout.
     """
-    if not model.cfg.scan_layers:
-        raise ValueError("the executor splits stacked layers: use Config(scan_layers=True)")
-    p, m = mesh.shape[STAGE], schedule.micro_batches
-    if schedule.devices != p:
-        raise ScheduleError(f"the schedule has {schedule.devices} stages, the mesh {p}")
-    split_layers(model.cfg.layers, p)  # raises if the layers do not divide into stages
-    if batch.shape[0] % m:
-        raise ScheduleError(f"a batch of {batch.shape[0]} rows cannot make {m} micro-batches")
+    _check(model, batch, schedule, mesh)
+    m = schedule.micro_batches
     inner = FSDP_AXIS if FSDP_AXIS in mesh.axis_names else None
     rows = mesh.shape[FSDP_AXIS] if inner else 1
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     specs = resolve(params, rules_for(mesh), mesh).specs
-    block_specs = resolve(params, PP, mesh).specs["blocks"]  # a stage's weights once gathered
-    what, micro = tick_table(schedule)
-    slots = max(simulate(schedule).peak_in_flight())
+    table, slots = tick_table(schedule), max(simulate(schedule).peak_in_flight())
+    stage = functools.partial(_stage_loss, graphdef=graphdef, rest=rest, scale=1.0 / (m * rows))
+    program = functools.partial(
+        per_device, stage=stage, specs=specs, inner=inner, table=table, slots=slots
+    )
     micro_batches = batch.reshape(m, batch.shape[0] // m, batch.shape[1])
-    scale = 1.0 / (m * rows)
-
-    on_every_stage = jax.tree.map(lambda s: STAGE not in tuple(s), specs)
-
-    def whole(shards: nnx.State) -> nnx.State:
-        """This stage's weights: marked as varying over `stage`, then gathered over `fsdp`."""
-        shards = jax.tree.map(lambda x, r: jax.lax.pcast(x, STAGE, to="varying") if r else x,
-                              shards, on_every_stage)  # fmt: skip
-        return fsdp.gather_tree(shards, specs, inner) if inner else shards
-
-    def per_device(shards: nnx.State, tokens: jax.Array):
-        d = jax.lax.axis_index(STAGE)
-        # Once per step, before the ticks; the transposes of `whole` run once after them, on
-        # the summed gradients: reduce-scatter over `fsdp`, then the shards of the arrays every
-        # stage holds (embeddings, head) summed over `stage`.
-        params, to_shards = jax.vjp(whole, shards)
-
-        def stage(params: nnx.State, x: jax.Array, tok: jax.Array):
-            return _stage_loss(params, x, tok, graphdef, rest, block_specs, scale)
-
-        shape = jax.eval_shape(stage, params, jnp.zeros((), jnp.float32), tokens[0])[0]
-        varying = tuple(a for a in (STAGE, inner) if a)
-        zeros = jax.lax.pcast(jnp.zeros(shape.shape, shape.dtype), varying, to="varying")
-        buffers = jnp.stack([zeros] * slots)
-
-        ahead = [(s, s + 1) for s in range(p - 1)]  # ppermute pairs: to the next stage
-        back = [(s + 1, s) for s in range(p - 1)]  # and to the previous one
-
-        def receive(buffer: jax.Array, value: jax.Array, index: jax.Array, valid: jax.Array):
-            slot = index % slots
-            return buffer.at[slot].set(jnp.where(valid, value, buffer[slot]))
-
-        def tick(carry, row):
-            inputs, grads_in, saved, grads, loss = carry
-            task, i = row[0][d], row[1][d]  # this device's task at this tick
-            forward, backward, slot = task == RUN_FORWARD, task == RUN_BACKWARD, i % slots
-
-            def idle():
-                return zeros, loss, grads, zeros
-
-            def run_forward():  # micro-batch i through the stage; its input is kept below
-                y, part = stage(params, inputs[slot], tokens[i])
-                return y, loss + part, grads, zeros
-
-            def run_backward():  # recompute the stage from its saved input, then pull back
-                _, pullback = jax.vjp(lambda p_, x_: stage(p_, x_, tokens[i]), params, saved[slot])
-                g_params, g_x = pullback((grads_in[slot], jnp.ones_like(loss)))
-                return zeros, loss, jax.tree.map(jnp.add, grads, g_params), g_x
-
-            # Each device runs only the branch its task names: a conditional, not a select.
-            y, loss, grads, g_x = jax.lax.switch(task, (idle, run_forward, run_backward))
-            saved = saved.at[slot].set(jnp.where(forward, inputs[slot], saved[slot]))
-            # Hand-overs: outputs to the next stage, input gradients to the previous one.
-            sent = [jax.lax.ppermute(v, STAGE, ahead) for v in (y, i, forward)]
-            inputs = receive(inputs, *sent)
-            sent = [jax.lax.ppermute(v, STAGE, back) for v in (g_x, i, backward)]
-            grads_in = receive(grads_in, *sent)
-            return (inputs, grads_in, saved, grads, loss), None
-
-        loss = jax.lax.pcast(jnp.zeros((), jnp.float32), varying, to="varying")
-        start = (buffers, buffers, buffers, jax.tree.map(jnp.zeros_like, params), loss)
-        (_, _, _, grads, loss), _ = jax.lax.scan(
-            tick, start, (jnp.asarray(what), jnp.asarray(micro))
-        )
-        axes = (STAGE, inner) if inner else STAGE
-        return jax.lax.psum(loss, axes), to_shards(grads)[0]
-
     token_spec = PartitionSpec(None, inner, None)
     return jax.shard_map(
-        per_device, mesh=mesh, in_specs=(specs, token_spec), out_specs=(PartitionSpec(), specs)
+        program, mesh=mesh, in_specs=(specs, token_spec), out_specs=(PartitionSpec(), specs)
     )(params, micro_batches)
 
 

@@ -13,7 +13,11 @@ import re
 from collections.abc import Mapping
 from typing import TypeAlias
 
+import jax
+from jax.sharding import Mesh
+
 from nnxscale.display import Markdown, table
+from nnxscale.mesh import grid_shape, make_mesh
 
 MeshAxes: TypeAlias = str | tuple[str, ...]
 """One candidate: a mesh axis, or several mesh axes used together for one dimension."""
@@ -23,23 +27,54 @@ class RuleError(ValueError):
     """A rule set that cannot be applied as written; the message names the array and the fix."""
 
 
+ANNOTATIONS = ("use", "ignore", "fill")
+"""How `auto_axis` meets arrays that carry logical names: see `Rules`."""
+
+
 @dataclasses.dataclass(frozen=True)
 class Rules:
-    """A named rule set.
+    """A named rule set, and the mesh it is meant for.
 
     `logical` maps each logical axis name to its candidates, tried in order; an empty tuple
     replicates that axis. `paths` are (regular expression, logical names) pairs: the first
     pattern that matches an array's path (searched, `/`-separated) gives its logical names,
     overriding its annotations, which is how arrays without annotations get names.
     `auto_axis` shards arrays that have no logical names along their largest dimension the
-    axis divides (automatic FSDP). `strict` turns an indivisible dimension into an error.
+    axis divides (automatic FSDP); `annotations` says what it does with arrays that have them:
+    `"use"` places them by `logical` only, `"ignore"` treats them as unnamed, `"fill"` places
+    them by `logical` and then splits their largest still-whole dimension over `auto_axis`.
+    `strict` turns a dimension that should be split and cannot be into an error.
+    `axes` and `sizes` describe the mesh (`strategy_mesh` builds it): an axis of size -1 takes
+    the devices the others leave, one of size k takes the largest count up to k that divides
+    what is left.
     """
 
     name: str
     logical: Mapping[str, tuple[MeshAxes, ...]]
     paths: tuple[tuple[str, tuple[str | None, ...]], ...] = ()
     auto_axis: str | None = None
+    annotations: str = "use"
     strict: bool = False
+    axes: tuple[str, ...] = ("data", "model")
+    sizes: tuple[int, ...] = (-1, 1)
+
+    def __post_init__(self) -> None:
+        if self.annotations not in ANNOTATIONS:
+            raise RuleError(
+                f"rule set {self.name!r}: annotations={self.annotations!r}; use one of "
+                f"{', '.join(map(repr, ANNOTATIONS))}."
+            )
+        if len(self.axes) != len(self.sizes) or list(self.sizes).count(-1) != 1:
+            raise RuleError(
+                f"rule set {self.name!r}: mesh axes {self.axes} with sizes {self.sizes}; give "
+                "one size per axis, exactly one of them -1 (the devices the others leave)."
+            )
+        unknown = sorted(self.mesh_axes() - set(self.axes))
+        if unknown:
+            raise RuleError(
+                f"rule set {self.name!r} refers to mesh axes {unknown} that its mesh axes "
+                f"{self.axes} lack: add them to `axes` (with a size) or change the rules."
+            )
 
     def replace(self, **changes: object) -> Rules:
         """A copy with some fields changed."""
@@ -48,11 +83,13 @@ class Rules:
     def candidates(self, logical_name: str, path: str) -> tuple[tuple[str, ...], ...]:
         """The candidates for `logical_name`, each as a tuple of mesh axes."""
         if logical_name not in self.logical:
-            known = ", ".join(sorted(self.logical))
+            known = ", ".join(sorted(self.logical)) or "no names"
             raise RuleError(
                 f"{path}: logical axis {logical_name!r} has no rule in rule set {self.name!r} "
                 f"(it has rules for {known}). Add one, e.g. {logical_name!r}: ('data',) to "
-                f"shard it or {logical_name!r}: () to replicate it."
+                f"shard it or {logical_name!r}: () to replicate it; for a model annotated "
+                "with mesh axis names use mesh_axis_rules(...), or annotations='ignore' to "
+                "place it by the automatic axis alone."
             )
         return tuple((c,) if isinstance(c, str) else tuple(c) for c in self.logical[logical_name])
 
@@ -68,6 +105,21 @@ class Rules:
         axes = {a for cands in self.logical.values() for c in cands for a in _as_tuple(c)}
         return axes | ({self.auto_axis} if self.auto_axis else set())
 
+    def shards_anything(self) -> bool:
+        """Whether the rule set splits any parameter (DP and PP's replicated parts do not)."""
+        named = any(c for name, c in self.logical.items() if name != "batch")
+        return named or self.auto_axis is not None
+
+    def mesh_shape(self, devices: int) -> tuple[int, ...]:
+        """The size of each of `axes` on `devices` devices (see the class docstring)."""
+        left, shape = devices, list(self.sizes)
+        for i, size in enumerate(self.sizes):
+            if size > 0:
+                shape[i] = grid_shape(left, size)[1]
+                left //= shape[i]
+        shape[self.sizes.index(-1)] = left
+        return tuple(shape)
+
 
 def _as_tuple(candidate: MeshAxes) -> tuple[str, ...]:
     return (candidate,) if isinstance(candidate, str) else tuple(candidate)
@@ -75,6 +127,8 @@ def _as_tuple(candidate: MeshAxes) -> tuple[str, ...]:
 
 _REPLICATED = {"vocab": (), "embed": (), "heads": (), "head_dim": (), "mlp": (), "length": ()}
 _ACTIVATIONS = {"batch": ("data",), "layers": ()}
+STAGE, FSDP_AXIS = "stage", "fsdp"
+"""The pipeline's mesh axes: stages, and FSDP inside each stage."""
 
 DP = Rules("DP", {**_REPLICATED, **_ACTIVATIONS})
 """Data parallelism: parameters replicated, the batch split over `data`."""
@@ -89,6 +143,7 @@ dimension, or else its `mlp` or `vocab` dimension; the batch split over `data` t
 TP = Rules(
     "TP",
     {**_REPLICATED, **_ACTIVATIONS, "heads": ("model",), "mlp": ("model",), "vocab": ("model",)},
+    sizes=(-1, 2),
 )
 """Tensor parallelism (Megatron-LM): attention split by heads, the MLP by its hidden units
 (column- then row-parallel), embeddings and head by vocabulary, over `model`."""
@@ -103,11 +158,34 @@ FSDP_TP = Rules(
         "mlp": ("model", "data"),
         "vocab": ("model", "data"),
     },
+    sizes=(-1, 2),
 )
 """TP over `model` and FSDP over `data`; `mlp` and `vocab` fall back to `data` when `model`
 does not divide them."""
 
-RULE_SETS = {rules.name: rules for rules in (DP, FSDP, TP, FSDP_TP)}
+PP = Rules("PP", {**_REPLICATED, "layers": (STAGE,), "batch": ()}, axes=(STAGE,), sizes=(-1,))
+"""Pipeline parallelism: each block's layers split over `stage`, everything else replicated."""
+
+PP_FSDP = Rules(
+    "PP+FSDP",
+    {
+        **_REPLICATED,
+        "layers": (STAGE,),
+        "batch": (FSDP_AXIS,),
+        "embed": (FSDP_AXIS,),
+        "mlp": (FSDP_AXIS,),
+        "vocab": (FSDP_AXIS,),
+    },
+    axes=(STAGE, FSDP_AXIS),
+    sizes=(-1, 2),
+)
+"""Pipeline stages over `stage`, and FSDP over `fsdp` inside each stage."""
+
+STRATEGIES = {rules.name: rules for rules in (DP, FSDP, TP, FSDP_TP, PP, PP_FSDP)}
+"""Every rule set of the book, with the mesh axes and sizes each is meant for."""
+
+RULE_SETS = {name: rules for name, rules in STRATEGIES.items() if rules.axes == DP.axes}
+"""The strategies on a `(data, model)` mesh, which chapters 2 to 4 compare on one model."""
 
 
 def compare(*rule_sets: Rules) -> Markdown:
@@ -124,6 +202,63 @@ def compare(*rule_sets: Rules) -> Markdown:
     return table(["logical axis", *(rules.name for rules in rule_sets)], rows)
 
 
-def auto_fsdp(axis: str = "data") -> Rules:
-    """Automatic FSDP for any pytree: each array split on its largest dimension `axis` divides."""
-    return Rules(f"auto-FSDP({axis})", {}, auto_axis=axis)
+def auto_fsdp(
+    axis: str = "data",
+    *,
+    annotations: str = "use",
+    logical: Rules | None = None,
+    strict: bool = False,
+) -> Rules:
+    """Automatic FSDP for any pytree: each array split on its largest dimension `axis` divides.
+
+    The batch is split over `axis` too. Arrays with logical names follow `logical`'s rules
+    (for a model annotated with mesh axis names, `mesh_axis_rules(...)`), as `annotations`
+    says: "use" them, "ignore" them, or "fill" what they leave whole.
+    """
+    base = logical or Rules("", {}, axes=(axis,), sizes=(-1,))
+    axes, sizes = base.axes, base.sizes
+    if axis not in axes:  # the automatic axis takes the devices the others leave
+        axes, sizes = (*axes, axis), (*(1 if s == -1 else s for s in sizes), -1)
+    return base.replace(
+        name=f"auto-FSDP({axis})" + (f" over {base.name}" if base.name else ""),
+        logical={"batch": (axis,), **base.logical},
+        auto_axis=axis,
+        annotations=annotations,
+        strict=strict,
+        axes=axes,
+        sizes=sizes,
+    )
+
+
+def mesh_axis_rules(
+    axes: tuple[str, ...] = ("data", "model"),
+    sizes: tuple[int, ...] | None = None,
+    *,
+    batch: MeshAxes | None = "data",
+) -> Rules:
+    """Rules for a model annotated with mesh axis names (as the Flax guide does): each name
+    maps to the mesh axis of that name, `batch` to `batch`; `sizes` default to (-1, 1, ...)."""
+    sizes = sizes or (-1, *([1] * (len(axes) - 1)))
+    logical = {axis: (axis,) for axis in axes}
+    return Rules(
+        f"mesh axes {'/'.join(axes)}",
+        {**logical, "batch": (batch,) if batch else ()},
+        axes=tuple(axes),
+        sizes=tuple(sizes),
+    )
+
+
+def strategy_mesh(rules: Rules, devices: int | None = None) -> Mesh:
+    """The mesh, with Auto axes, that a rule set is meant for (its `axes` and `sizes`).
+
+    It spans the first `devices` devices (all by default). With an odd count and TP's
+    `model` of size 2, `model` has one device: tensor parallelism then splits nothing.
+    """
+    available = jax.device_count()
+    if devices is not None and not 1 <= devices <= available:
+        raise ValueError(
+            f"a mesh of {devices} devices was asked for and JAX has {available}: pass at most "
+            f"{available}, or emulate more (NNXSCALE_DEVICES={devices}) and restart."
+        )
+    pool = jax.devices()[: devices or available]
+    return make_mesh(rules.mesh_shape(len(pool)), rules.axes, devices=pool)

@@ -1,31 +1,34 @@
 """Training: a train state sharded by a rule set, and one jitted step for every strategy.
 
-The state holds the model, its optimizer, an exponential moving average (EMA) of the
-parameters and the dropout RNG stream; every array in it is laid out by the same rule set.
-The step is one compiled program with the layout's shardings on both sides and the state's
-buffers donated, so a step updates the state in place. The strategy (DP, FSDP, TP, ...) is
-only the layout: the step's code is the same for all of them.
+The state holds the model (any NNX module), its optimizer, an exponential moving average
+(EMA) of the parameters and the dropout RNG stream; every array in it is laid out by the same
+rule set. The step is one compiled program with the layout's shardings on both sides and the
+state's buffers donated, so a step updates the state in place. The strategy (DP, FSDP, TP, ...)
+is only the layout: the step's code is the same for all of them, and for every model.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import time
 from collections.abc import Callable
 from functools import partial
+from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from nnxscale.data import check_batch_splits
+from nnxscale.init import compile_init
 from nnxscale.layout import Layout, resolve
-from nnxscale.model import Config, Transformer, create
+from nnxscale.losses import GradsFn, LossFn, next_token_loss
 from nnxscale.rules import Rules
+from nnxscale.trees import flat, is_key, place
 
 
 class EMA(nnx.Variable):
@@ -44,27 +47,50 @@ class TrainState(nnx.Module):
     """Model, optimizer, EMA of the parameters (started at the parameters) and dropout RNG."""
 
     def __init__(
-        self, cfg: Config, tx: optax.GradientTransformation, *, seed: int = 0,
+        self, model: nnx.Module, tx: optax.GradientTransformation, *, seed: int = 0,
         ema_decay: float = 0.9,
     ) -> None:  # fmt: skip
+        check_model(model)
         with nnx.use_eager_sharding(False):  # rule sets, not Flax, decide where arrays go
-            self.model = create(cfg, seed)
+            self.model = model
             self.optimizer = nnx.Optimizer(self.model, tx, wrt=nnx.Param)
             self.ema = nnx.Dict(
                 {
-                    path: EMA(jnp.array(p[...], copy=True), out_sharding=p.out_sharding)
+                    path: EMA(jnp.array(p[...], copy=True), **_names(p))
                     for path, p in params_by_path(self.model).items()
                 }
             )
             self.ema_decay = ema_decay
             self.rngs = nnx.Rngs(dropout=seed + 1)
 
-    def ema_model(self) -> Transformer:
+    def ema_model(self) -> nnx.Module:
         """A copy of the model holding the EMA weights."""
         model = nnx.clone(self.model)
         for path, param in params_by_path(model).items():
             param[...] = self.ema[path][...]
         return model
+
+
+def _names(param: nnx.Variable) -> dict[str, Any]:
+    """The parameter's logical names as metadata for its EMA, if it has any."""
+    names = param.get_metadata().get("out_sharding")
+    return {"out_sharding": names} if names else {}
+
+
+def check_model(model: object) -> None:
+    """Raise a clear error unless `model` is an NNX module with parameters to train."""
+    if not isinstance(model, nnx.Module):
+        what = type(model).__name__
+        raise TypeError(
+            f"expected an NNX module (flax.nnx.Module) to train, got a {what}. Wrap a pytree "
+            "of arrays in a module whose weights are nnx.Param, or pass a function that "
+            "creates the module."
+        )
+    if not jax.tree.leaves(nnx.state(model, nnx.Param)):
+        raise ValueError(
+            f"{type(model).__name__} has no nnx.Param: the optimizer trains nnx.Param "
+            "variables only. Declare its weights as nnx.Param(...)."
+        )
 
 
 LEARNING_RATE = 3e-3
@@ -78,67 +104,69 @@ def adamw(
     return optax.adamw(learning_rate, weight_decay=weight_decay)
 
 
-def next_token_loss(
-    model: Transformer, tokens: jax.Array, dropout_key: jax.Array | None
-) -> jax.Array:
-    """Mean cross-entropy of predicting tokens[:, 1:] from tokens[:, :-1]."""
-    return cross_entropy(model(tokens[:, :-1], dropout_key=dropout_key), tokens[:, 1:])
-
-
-def largest_difference(a: object, b: object) -> float:
-    """The largest absolute difference between two trees of arrays, wherever they live."""
-
-    def host(x: jax.Array) -> np.ndarray:
-        if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
-            x = jax.random.key_data(x)
-        return np.asarray(x, dtype=np.float64)
-
-    pairs = zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)
-    return max(float(np.max(np.abs(host(x) - host(y)))) for x, y in pairs)
-
-
-def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
-    """Mean cross-entropy of integer `targets` under `logits`."""
-    return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
-
-
-def loss_and_grads(
-    model: Transformer, batch: jax.Array, key: jax.Array | None, micro_batches: int = 1
-) -> tuple[jax.Array, nnx.State]:
-    """Loss and parameter gradients, accumulated over `micro_batches` slices of the batch.
+def split_micro_batches(batch: Any, k: int) -> Any:
+    """`batch` (any pytree of arrays) as k micro-batches stacked on a new leading axis.
 
     Micro-batch j takes rows j, j + k, j + 2k, ... so every device keeps contributing its own
     rows; the mean of the k micro-batch means is the mean over the batch.
     """
+
+    for path, x in flat(batch):
+        if x.shape[0] % k:
+            where = f"batch array {path!r}" if path else "a batch"
+            raise ValueError(
+                f"{where} of {x.shape[0]} rows cannot be cut into {k} micro-batches: use a "
+                f"batch size that is a multiple of {k}."
+            )
+
+    def split(x: jax.Array) -> jax.Array:
+        return jnp.moveaxis(x.reshape(x.shape[0] // k, k, *x.shape[1:]), 1, 0)
+
+    return jax.tree.map(split, batch)
+
+
+def loss_and_grads(
+    model: nnx.Module,
+    batch: Any,
+    key: jax.Array | None,
+    micro_batches: int = 1,
+    *,
+    loss_fn: LossFn = next_token_loss,
+) -> tuple[jax.Array, nnx.State]:
+    """Loss and parameter gradients of `loss_fn`, accumulated over `micro_batches` slices.
+
+    The dropout stream is `key` (folded with the micro-batch index when there are several);
+    `loss_fn` sees it as `nnx.Rngs(dropout=...)`, or None without dropout.
+    """
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
 
-    def loss_of(params: nnx.State, tokens: jax.Array, key: jax.Array | None) -> jax.Array:
-        return next_token_loss(nnx.merge(graphdef, params, rest), tokens, key)
+    def loss_of(params: nnx.State, batch: Any, key: jax.Array | None) -> jax.Array:
+        rngs = None if key is None else nnx.Rngs(dropout=key)
+        loss = loss_fn(nnx.merge(graphdef, params, rest), batch, rngs)
+        if jnp.shape(loss) != ():
+            raise ValueError(
+                f"the loss function returned an array of shape {jnp.shape(loss)}; it must "
+                "return the mean loss, a scalar (e.g. end it with .mean())."
+            )
+        return loss
 
     if micro_batches == 1:
         return jax.value_and_grad(loss_of)(params, batch, key)
-    rows = batch.shape[0]
-    if rows % micro_batches:
-        raise ValueError(f"a batch of {rows} rows cannot be cut into {micro_batches} micro-batches")
-    micro = jnp.moveaxis(batch.reshape(rows // micro_batches, micro_batches, -1), 1, 0)
 
     def accumulate(total, inputs):
-        tokens, index = inputs
+        micro, index = inputs
         micro_key = None if key is None else jax.random.fold_in(key, index)
-        loss, grads = jax.value_and_grad(loss_of)(params, tokens, micro_key)
+        loss, grads = jax.value_and_grad(loss_of)(params, micro, micro_key)
         return jax.tree.map(jnp.add, total, (loss, grads)), None
 
     zero = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
+    micro = split_micro_batches(batch, micro_batches)
     (loss, grads), _ = jax.lax.scan(accumulate, zero, (micro, jnp.arange(micro_batches)))
     return loss / micro_batches, jax.tree.map(lambda g: g / micro_batches, grads)
 
 
-GradsFn = Callable[[Transformer, jax.Array, "jax.Array | None", int], tuple[jax.Array, nnx.State]]
-"""How a step gets the loss and gradients: (model, batch, dropout key, micro-batches)."""
-
-
 def train_step(
-    graphdef: nnx.GraphDef, state: nnx.State, batch: jax.Array, *, micro_batches: int = 1,
+    graphdef: nnx.GraphDef, state: nnx.State, batch: Any, *, micro_batches: int = 1,
     dropout: bool = True, grads_fn: GradsFn = loss_and_grads,
 ) -> tuple[nnx.State, jax.Array]:  # fmt: skip
     """One optimizer step and EMA update on `batch`; returns the new state and the loss."""
@@ -153,130 +181,233 @@ def train_step(
 
 
 def eval_loss(
-    graphdef: nnx.GraphDef, state: nnx.State, batch: jax.Array, *, ema: bool
+    graphdef: nnx.GraphDef,
+    state: nnx.State,
+    batch: Any,
+    *,
+    ema: bool,
+    loss_fn: LossFn = next_token_loss,
 ) -> jax.Array:
     """Loss on `batch` without dropout, with the model's weights or their EMA."""
     ts = nnx.merge(graphdef, state)
-    return next_token_loss(ts.ema_model() if ema else ts.model, batch, None)
+    return loss_fn(ts.ema_model() if ema else ts.model, batch, None)
 
 
-def place(values: nnx.State, shardings: nnx.State) -> nnx.State:
-    """Copy host or local arrays onto their shardings; with several processes, each builds
-    only the shards its own devices hold (the values must be the same in every process)."""
-    if jax.process_count() == 1:
-        return jax.device_put(values, shardings)
-
-    def one(x: jax.Array, sharding: NamedSharding) -> jax.Array:
-        if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
-            data = np.asarray(jax.random.key_data(x))
-            placed = jax.make_array_from_callback(data.shape, sharding, lambda i: data[i])
-            return jax.random.wrap_key_data(placed, impl=jax.random.key_impl(x))
-        host = np.asarray(x)
-        return jax.make_array_from_callback(host.shape, sharding, lambda i: host[i])
-
-    return jax.tree.map(one, values, shardings)
-
-
-def batch_sharding(rules: Rules, mesh: Mesh) -> NamedSharding:
-    """Where a (batch, length) token array goes: rows on the rule set's `batch` axes."""
-    axes = rules.candidates("batch", "batch")
-    return NamedSharding(mesh, P(axes[0] if axes else None, None))
+def model_config(model: nnx.Module) -> dict[str, Any] | None:
+    """A JSON-able record of how `model` was configured: its `cfg` dataclass, if it has one."""
+    cfg = getattr(model, "cfg", None)
+    return dataclasses.asdict(cfg) if dataclasses.is_dataclass(cfg) else None
 
 
 @dataclasses.dataclass
 class Trainer:
-    """A train state laid out by a rule set on a mesh, with its compiled steps."""
+    """A train state laid out by a rule set on a mesh, with its compiled steps.
+
+    `config` is an opaque, JSON-able record of the model's configuration that checkpoints
+    keep (for the book's Transformer its `Config`), so a restore can rebuild the model.
+    """
 
     graphdef: nnx.GraphDef
     state: nnx.State
     layout: Layout
-    batch: NamedSharding
-    step: Callable[[nnx.State, jax.Array], tuple[nnx.State, jax.Array]]
-    evaluate: Callable[[nnx.State, jax.Array], jax.Array]
-    evaluate_ema: Callable[[nnx.State, jax.Array], jax.Array]
+    step: Callable[[nnx.State, Any], tuple[nnx.State, jax.Array]]
+    evaluate: Callable[[nnx.State, Any], jax.Array]
+    evaluate_ema: Callable[[nnx.State, Any], jax.Array]
     micro_batches: int = 1
     compiled: jax.stages.Compiled | None = None
+    config: dict[str, Any] | None = None
+    grads_fn: GradsFn = loss_and_grads
 
     @classmethod
     def create(
-        cls, state: TrainState, rules: Rules, mesh: Mesh, *, micro_batches: int = 1,
-        dropout: bool = True, grads_fn: GradsFn = loss_and_grads,
+        cls, model: nnx.Module | Callable[[], nnx.Module], tx: optax.GradientTransformation,
+        rules: Rules, mesh: Mesh, *, loss_fn: LossFn | None = None,
+        grads_fn: GradsFn | None = None, micro_batches: int = 1, dropout: bool = True,
+        seed: int = 0, ema_decay: float = 0.9, config: dict[str, Any] | None = None,
     ) -> Trainer:  # fmt: skip
-        """Lay `state` out by `rules` on `mesh` (copying it there) and jit its steps.
+        """A trainer for `model` (an NNX module, or a function that creates one) with `tx`,
+        laid out by `rules` on `mesh`.
 
-        `grads_fn` computes the loss and gradients: by default the compiler partitions
-        `loss_and_grads`; `nnxscale.fsdp` offers a hand-written one.
+        Given a module, the train state is built beside it and copied into its layout; given a
+        function, every array is created straight into its shards (`nnxscale.init`).
+        `loss_fn(model, batch, rngs)` is the loss (default: the book's next-token loss);
+        `grads_fn` replaces the whole loss-and-gradient computation (`nnxscale.fsdp`,
+        `nnxscale.pipeline`). `config` is recorded in checkpoints (default: `model.cfg`).
         """
-        graphdef, values = nnx.split(state)
-        return cls.from_split(
-            graphdef, values, rules, mesh, micro_batches=micro_batches, dropout=dropout,
-            grads_fn=grads_fn,
-        )  # fmt: skip
+        options = {
+            "micro_batches": micro_batches,
+            "dropout": dropout,
+            "grads_fn": grads_fn,
+            "loss_fn": loss_fn,
+        }
+        if not callable(model):
+            check_model(model)
+        if isinstance(model, nnx.Module):
+            with jax.set_mesh(mesh):  # for variables that Flax placed as it created them
+                state = TrainState(model, tx, seed=seed, ema_decay=ema_decay)
+            graphdef, values = nnx.split(state)
+            layout = resolve(values, rules, mesh)
+        else:
+            factory = model
+
+            def create_state() -> TrainState:
+                return TrainState(factory(), tx, seed=seed, ema_decay=ema_decay)
+
+            compiled, graphdef, layout = compile_init(create_state, rules, mesh)
+            values = compiled()
+        config = config if config is not None else model_config(nnx.merge(graphdef, values).model)
+        return cls.from_layout(graphdef, values, layout, config=config, **options)
 
     @classmethod
-    def from_split(
-        cls, graphdef: nnx.GraphDef, values: nnx.State, rules: Rules, mesh: Mesh, *,
-        micro_batches: int = 1, dropout: bool = True, grads_fn: GradsFn = loss_and_grads,
+    def from_layout(
+        cls, graphdef: nnx.GraphDef, values: nnx.State, layout: Layout, *,
+        loss_fn: LossFn | None = None, grads_fn: GradsFn | None = None, micro_batches: int = 1,
+        dropout: bool = True, config: dict[str, Any] | None = None,
     ) -> Trainer:  # fmt: skip
-        """A trainer for a split train state: placed by `rules` on `mesh` (no copy if it is)."""
-        layout = resolve(values, rules, mesh)
-        shardings = layout.shardings()
-        batch = batch_sharding(rules, mesh)
-        scalar = NamedSharding(mesh, P())
+        """A trainer for a split train state already resolved into `layout` (placed there if
+        it is not), with its step and evaluations jitted on the layout's shardings."""
+        if loss_fn is not None and grads_fn is not None:
+            raise ValueError(
+                "pass loss_fn or grads_fn, not both: grads_fn computes the loss itself (wrap "
+                "your loss in it), loss_fn is differentiated by the library's loss_and_grads."
+            )
+        loss_fn = loss_fn or next_token_loss
+        grads_fn = grads_fn or partial(loss_and_grads, loss_fn=loss_fn)
+        _check_config(config)
+        shardings, batch = layout.shardings(), layout.batch
+        scalar = NamedSharding(layout.mesh, P())
         options = {"micro_batches": micro_batches, "dropout": dropout, "grads_fn": grads_fn}
         step = jax.jit(
             partial(train_step, graphdef, **options),
-            in_shardings=(shardings, batch), out_shardings=(shardings, scalar), donate_argnums=0,
-        )  # fmt: skip
+            in_shardings=(shardings, batch),
+            out_shardings=(shardings, scalar),
+            donate_argnums=0,
+        )
         evaluate = {
-            ema: jax.jit(
-                partial(eval_loss, graphdef, ema=ema),
-                in_shardings=(shardings, batch),
-                out_shardings=scalar,
+            ema: _under_mesh(
+                jax.jit(
+                    partial(eval_loss, graphdef, ema=ema, loss_fn=loss_fn),
+                    in_shardings=(shardings, batch),
+                    out_shardings=scalar,
+                ),
+                layout.mesh,
             )
             for ema in (False, True)
         }
         placed = place(values, shardings)
         return cls(
-            graphdef, placed, layout, batch, step, evaluate[False], evaluate[True], micro_batches
+            graphdef,
+            placed,
+            layout,
+            step,
+            evaluate[False],
+            evaluate[True],
+            micro_batches,
+            config=config,
+            grads_fn=grads_fn,
         )
 
-    def train(self, batches: Callable[[int, NamedSharding], jax.Array], steps: int) -> list[float]:
-        """Run `steps` steps on batches[step0 ...]; returns the losses."""
+    @property
+    def batch(self) -> NamedSharding:
+        """Where every array of a batch goes: split on its first dimension (`Layout.batch`)."""
+        return self.layout.batch
+
+    def train(self, batches: Callable[[int, NamedSharding], Any], steps: int) -> list[float]:
+        """Run `steps` steps on batches(step, self.batch) from the current step; the losses.
+
+        A batch is any pytree of arrays; host arrays are placed by `self.batch`.
+        """
         first = int(self.step_count())
         losses = []
         for step in range(first, first + steps):
-            tokens = batches(step, self.batch)
-            self.state, loss = self.compile(tokens)(self.state, tokens)
+            batch = self.place_batch(batches(step, self.batch))
+            self.state, loss = self.compile(batch)(self.state, batch)
             losses.append(float(loss))
         return losses
 
+    def place_batch(self, batch: Any) -> Any:
+        """`batch` with every array on `self.batch` (arrays already there are not copied)."""
+        check_batch(batch, self.batch, self.micro_batches)
+        return place(batch, jax.tree.map(lambda _: self.batch, batch))
+
     def time_steps(
-        self, batches: Callable[[int, NamedSharding], jax.Array], steps: int, first: int
+        self, batches: Callable[[int, NamedSharding], Any], steps: int, first: int
     ) -> list[float]:
         """Wall seconds of each of `steps` steps on batches first, first + 1, ... (data ready)."""
         times = []
         for step in range(first, first + steps):
-            tokens = jax.block_until_ready(batches(step, self.batch))
-            compiled = self.compile(tokens)
+            batch = jax.block_until_ready(self.place_batch(batches(step, self.batch)))
+            compiled = self.compile(batch)
             start = time.perf_counter()
-            self.state, loss = compiled(self.state, tokens)
+            self.state, loss = compiled(self.state, batch)
             jax.block_until_ready(loss)
             times.append(time.perf_counter() - start)
         return times
 
-    def compile(self, tokens: jax.Array) -> jax.stages.Compiled:
-        """The step compiled for batches shaped like `tokens`: once, for running and analysis."""
+    def compile(self, batch: Any) -> jax.stages.Compiled:
+        """The step compiled for batches shaped like `batch`: once, for running and analysis.
+
+        It is traced under `jax.set_mesh(mesh)`, so a model's own sharding constraints apply.
+        """
         if self.compiled is None:
-            rows = tokens.shape[0] // self.micro_batches
-            check_batch_splits(rows, self.batch, f"each of {self.micro_batches} micro-batches")
-            self.compiled = self.step.lower(self.state, tokens).compile()
+            check_batch(batch, self.batch, self.micro_batches)
+            with jax.set_mesh(self.layout.mesh):
+                self.compiled = self.step.lower(self.state, batch).compile()
         return self.compiled
 
     def step_count(self) -> int:
         """Optimizer steps taken so far."""
         return int(self.state["optimizer"]["step"][...])
 
-    def model(self) -> Transformer:
+    def model(self) -> nnx.Module:
         """The model, with its current (sharded) weights."""
         return nnx.merge(self.graphdef, self.state).model
+
+
+def _under_mesh(fn: Callable[..., jax.Array], mesh: Mesh) -> Callable[..., jax.Array]:
+    """`fn`, traced and run under `jax.set_mesh(mesh)`."""
+
+    def run(*args: Any) -> jax.Array:
+        with jax.set_mesh(mesh):
+            return fn(*args)
+
+    return run
+
+
+def _check_config(config: object) -> None:
+    try:
+        json.dumps(config)
+    except TypeError as error:
+        raise TypeError(
+            f"the model configuration {config!r} cannot be written as JSON ({error}), and "
+            "checkpoints keep it: pass config= a dict of numbers, strings, lists and dicts."
+        ) from None
+
+
+def check_batch(batch: Any, sharding: NamedSharding, micro_batches: int = 1) -> None:
+    """Raise a clear error unless every array of `batch` can be split as the step splits it."""
+    leaves = flat(batch)
+    if not leaves:
+        raise ValueError("the batch holds no arrays: pass a pytree of arrays, one row per example")
+    rows = set()
+    for path, x in leaves:
+        where = f"batch array {path!r}" if path else "the batch"
+        if not hasattr(x, "shape") or is_key(x) or len(x.shape) == 0:
+            raise ValueError(
+                f"{where} is {type(x).__name__} {getattr(x, 'shape', '')}: every array of a "
+                "batch needs a first dimension of examples (rows) to split over the data axes."
+            )
+        rows.add(x.shape[0])
+        if x.shape[0] % micro_batches:
+            raise ValueError(
+                f"{where} has {x.shape[0]} rows, which cannot be cut into {micro_batches} "
+                f"micro-batches: use a batch size that is a multiple of {micro_batches}."
+            )
+        what = f"each of {micro_batches} micro-batches" + (f" of {where}" if path else "")
+        what = where if micro_batches == 1 else what
+        check_batch_splits(x.shape[0] // micro_batches, sharding, what)
+    if len(rows) > 1:
+        raise ValueError(
+            f"the batch's arrays have different numbers of rows {sorted(rows)}: every array "
+            "needs the same first dimension, one row per example."
+        )

@@ -1,0 +1,40 @@
+"""Loss functions, and the two shapes of function a train step calls: a loss, or loss and grads.
+
+A loss function is `loss_fn(model, batch, rngs)`: any NNX module, a batch that is any pytree of
+arrays, and an `nnx.Rngs` with a `dropout` stream (None when evaluating or without dropout); it
+returns the mean loss, a scalar. A gradient function (`GradsFn`) is how a step gets the loss and
+the parameter gradients; `nnxscale.train.loss_and_grads` derives one from any loss function,
+and `nnxscale.fsdp` and `nnxscale.pipeline` write their own for the book's Transformer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, TypeAlias
+
+import jax
+import optax
+from flax import nnx
+
+LossFn: TypeAlias = Callable[[nnx.Module, Any, "nnx.Rngs | None"], jax.Array]
+"""`loss_fn(model, batch, rngs) -> scalar`: the mean loss of `model` on `batch`."""
+
+GradsFn: TypeAlias = Callable[
+    [nnx.Module, Any, "jax.Array | None", int], tuple[jax.Array, nnx.State]
+]
+"""`grads_fn(model, batch, dropout_key, micro_batches) -> (loss, parameter gradients)`."""
+
+
+def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
+    """Mean cross-entropy of integer `targets` under `logits`."""
+    return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+
+
+def next_token_loss(model: nnx.Module, tokens: jax.Array, rngs: nnx.Rngs | None) -> jax.Array:
+    """The book's loss: mean cross-entropy of predicting tokens[:, 1:] from tokens[:, :-1].
+
+    The Transformer splits one dropout key into a key per layer itself, so it is given the
+    stream's key as it is (the step's key), not a draw from it.
+    """
+    key = None if rngs is None else rngs.dropout.key[...]
+    return cross_entropy(model(tokens[:, :-1], dropout_key=key), tokens[:, 1:])
