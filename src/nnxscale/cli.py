@@ -46,6 +46,7 @@ from nnxscale.checkpoint import Checkpoints, checksums
 from nnxscale.data import book_batches
 from nnxscale.devices import emulate_devices
 from nnxscale.launch import COORDINATOR, initialize
+from nnxscale.mesh import make_mesh
 from nnxscale.model import TINY, Transformer, create
 from nnxscale.rules import RULE_SETS, strategy_mesh
 from nnxscale.train import Trainer, adamw
@@ -149,7 +150,7 @@ def _restore(args: argparse.Namespace) -> None:
 
 def _collective(args: argparse.Namespace) -> None:
     """In a launched run: sum one number per device over every process, report, then hold."""
-    mesh = jax.make_mesh((jax.device_count(),), ("all",))
+    mesh = make_mesh((jax.device_count(),), ("all",))
     ones = jax.make_array_from_process_local_data(
         NamedSharding(mesh, PartitionSpec("all")), np.ones(jax.local_device_count(), np.int32)
     )
