@@ -115,6 +115,8 @@ def _train(args: argparse.Namespace) -> None:
                 if jax.process_count() == 1:  # checksums need every shard in this process
                     emit("checksums", step=step, sums=checksums(trainer.state))
                 emit("saving", step=step, blocked_seconds=checkpoints.save(trainer, batches))
+                if step == args.crash_during_save:  # a crash while the save is being written
+                    os.kill(os.getpid(), signal.SIGKILL)
         emit("written", waited_seconds=checkpoints.wait())
 
 
@@ -177,6 +179,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     train.add_argument("--keep", type=int, default=3, help="checkpoints kept")
     train.add_argument("--batch-size", type=int, default=16)
     train.add_argument("--config", default="{}", help="JSON changes to the TINY model config")
+    train.add_argument(
+        "--crash-during-save",
+        type=int,
+        default=None,
+        metavar="STEP",
+        help="SIGKILL this process as soon as the save of STEP has started writing",
+    )
     restore.add_argument("--step", type=int, default=None, help="default: the latest")
     restore.add_argument("--report", default=None, help="write checksums here as JSON")
     args = parser.parse_args(argv)
@@ -215,31 +224,28 @@ def crash_during_save(
 ) -> Crash:  # fmt: skip
     """Train to `steps`, saving every `save_every`; SIGKILL the process as its last save starts.
 
-    The process reports a `saving` event as soon as Orbax has taken the state off the devices
-    and the write has begun in the background; the kill lands while the files are written.
+    The process kills itself right after its last `saving` event, as soon as Orbax has taken
+    the state off the devices and the write has begun in a background thread: the kill lands
+    while the files are written, without waiting for another process to react.
     """
     command = [
         sys.executable, "-m", "nnxscale.cli", "train", str(directory), "--devices", str(devices),
         "--rules", rules, "--steps", str(steps), "--save-every", str(save_every),
-        "--batch-size", str(batch_size), "--config", config,
+        "--batch-size", str(batch_size), "--config", config, "--crash-during-save", str(steps),
     ]  # fmt: skip
     child = subprocess.Popen(
         command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1
     )
-    output, killed = [], False
     timer = threading.Timer(timeout, child.kill)
     timer.start()
     try:
-        for line in child.stdout:
-            if any(saving["step"] == steps for saving in events([line], "saving")):
-                os.kill(child.pid, signal.SIGKILL)
-                killed = True
-            output.append(line.rstrip("\n"))
+        output = [line.rstrip("\n") for line in child.stdout]
     finally:
         timer.cancel()
         if child.poll() is None:
             child.kill()
         child.wait()
+    killed = any(saving["step"] == steps for saving in events(output, "saving"))
     sums = {event["step"]: event["sums"] for event in events(output, "checksums")}
     if child.returncode == -signal.SIGKILL and not killed:
         raise TimeoutError(f"{' '.join(command[1:])} ran over {timeout} s and was killed")
