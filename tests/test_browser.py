@@ -158,3 +158,55 @@ def test_search_finds_a_chapter(browser, site: str) -> None:
     page.close()
     assert any(f"chapters/{CHAPTERS[0].stem}.html" in h for h in hits), hits
     assert problems == []
+
+
+SIDEBAR_BOX = """selector => {
+    const element = document.querySelector(selector);
+    const box = element.getBoundingClientRect();
+    const style = getComputedStyle(element);  // a drawer is position: fixed (no offsetParent)
+    return style.display !== 'none' && style.visibility === 'visible'
+        && box.width > 0 && box.right > 0 && box.left < window.innerWidth;
+}"""
+"""Whether the element is on screen: displayed, visible, and inside the viewport."""
+
+
+def visible_toggle(page, kind: str):
+    """The one visible, clickable sidebar toggle of `kind` (primary or secondary)."""
+    toggles = [t for t in page.locator(f".{kind}-toggle").all() if t.is_visible()]
+    assert len(toggles) == 1, f"{len(toggles)} visible {kind} toggles"
+    box = toggles[0].bounding_box()
+    assert box and box["width"] >= 24 and box["height"] >= 24, f"{kind} toggle of size {box}"
+    return toggles[0]
+
+
+@pytest.mark.parametrize("mode", ["light", "dark"])
+@pytest.mark.parametrize(("width", "height"), [(1400, 900), (390, 844)], ids=["desktop", "phone"])
+def test_header_has_one_search_box_and_toggles_that_work(
+    browser, site: str, width: int, height: int, mode: str
+) -> None:
+    """What a reader does first: find search, open and close the chapter list and the page
+    outline. (pydata-sphinx-theme 0.17 with sphinx-book-theme 1.3 rendered a second header
+    with a second search box and a hidden second `.primary-toggle` that took the click.)"""
+    page = browser.new_page(viewport={"width": width, "height": height})
+    page.goto(f"{site}/chapters/{CHAPTERS[1].stem}.html", wait_until="networkidle")
+    page.evaluate(f"document.documentElement.dataset.theme = '{mode}'")
+    search = page.locator(".search-button-field, .search-button__button").all()
+    assert len([s for s in search if s.is_visible()]) == 1, "one search box in the header"
+    primary, secondary = ".bd-sidebar-primary", ".bd-sidebar-secondary"
+    wide = width >= 1200  # where the theme shows both sidebars until they are toggled away
+    assert page.evaluate(SIDEBAR_BOX, primary) is wide
+    visible_toggle(page, "primary").click()
+    page.wait_for_timeout(400)  # the sidebar slides
+    assert page.evaluate(SIDEBAR_BOX, primary) is not wide, "the chapter list toggles"
+    if not wide:
+        page.mouse.click(width - 10, height // 2)  # outside the drawer: it closes
+        page.wait_for_timeout(400)
+        assert page.evaluate(SIDEBAR_BOX, primary) is False
+        assert page.evaluate(SIDEBAR_BOX, secondary) is False
+        visible_toggle(page, "secondary").click()
+        page.wait_for_timeout(400)
+        assert page.evaluate(SIDEBAR_BOX, secondary) is True, "the page outline opens"
+    else:
+        assert page.evaluate(SIDEBAR_BOX, secondary) is True
+    page.screenshot(path=SCREENSHOTS / f"navigation-{width}-{mode}.png")
+    page.close()
