@@ -14,7 +14,11 @@ import matplotlib.pyplot as plt
 STATIC = Path(__file__).parent / "_static"
 
 
-def draw(size_inches: float, dpi: int, path: Path, title: bool) -> None:
+TITLE_COLOURS = {"light": ("#222222", "#1f77b4"), "dark": ("#eeeeee", "#6cb4ee")}
+"""The two title lines' colours on the theme's light and dark backgrounds."""
+
+
+def draw(size_inches: float, dpi: int, path: Path, title: bool, mode: str = "light") -> None:
     """Draw the mesh of coloured device squares, optionally with the book's title beside it."""
     width = size_inches * (3.2 if title else 1.0)
     fig = plt.figure(figsize=(width, size_inches), dpi=dpi)
@@ -29,8 +33,9 @@ def draw(size_inches: float, dpi: int, path: Path, title: bool) -> None:
     ax.set_ylim(-0.15, 4.35)
     ax.set_axis_off()
     if title:
-        fig.text(0.34, 0.58, "Scaling", fontsize=30, weight="bold", color="#222222", va="center")
-        fig.text(0.34, 0.30, "Flax NNX", fontsize=30, weight="bold", color="#1f77b4", va="center")
+        first, second = TITLE_COLOURS[mode]
+        fig.text(0.34, 0.58, "Scaling", fontsize=30, weight="bold", color=first, va="center")
+        fig.text(0.34, 0.30, "Flax NNX", fontsize=30, weight="bold", color=second, va="center")
     fig.savefig(path, transparent=True)
     plt.close(fig)
 
@@ -38,6 +43,7 @@ def draw(size_inches: float, dpi: int, path: Path, title: bool) -> None:
 if __name__ == "__main__":
     (STATIC / "root").mkdir(parents=True, exist_ok=True)
     draw(1.6, 100, STATIC / "logo.png", title=True)
+    draw(1.6, 100, STATIC / "logo-dark.png", title=True, mode="dark")
     draw(0.32, 100, STATIC / "favicon.png", title=False)
     # Browsers ask the site root for /favicon.ico on pages without an icon link (the redirect).
     Image.open(STATIC / "favicon.png").save(STATIC / "root" / "favicon.ico", sizes=[(32, 32)])

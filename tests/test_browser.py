@@ -81,11 +81,13 @@ def open_page(browser, url: str):
     page.on("response", lambda r: problems.append(f"HTTP {r.status}: {r.url}")
             if r.status >= 400 else None)  # fmt: skip
     page.goto(url, wait_until="networkidle")
-    # Scroll through the page: treescope renders its outputs when they come into view.
+    # Treescope renders an output once it has come into view: bring each into view, as a
+    # reader scrolling down would, and give it up to 5 s to render.
     page.evaluate(
-        "async () => { for (let y = 0; y < document.body.scrollHeight; y += 600) {"
-        " window.scrollTo(0, y); await new Promise(r => setTimeout(r, 20)); }"
-        " window.scrollTo(0, 0); }"
+        "async () => { for (const c of document.querySelectorAll('treescope-container')) {"
+        " c.scrollIntoView(); for (let t = 0; t < 100; t++) {"
+        " if (c.shadowRoot && !c.shadowRoot.textContent.includes('(Loading...)')) break;"
+        " await new Promise(r => setTimeout(r, 50)); } } window.scrollTo(0, 0); }"
     )
     page.wait_for_load_state("networkidle")
     return page, problems
@@ -210,3 +212,48 @@ def test_header_has_one_search_box_and_toggles_that_work(
         assert page.evaluate(SIDEBAR_BOX, secondary) is True
     page.screenshot(path=SCREENSHOTS / f"navigation-{width}-{mode}.png")
     page.close()
+
+
+def _luminance(rgb) -> float:
+    """WCAG relative luminance of an sRGB colour (0-255 channels)."""
+    channels = [c / 255 for c in rgb[:3]]
+    linear = [c / 12.92 if c <= 0.03928 else ((c + 0.055) / 1.055) ** 2.4 for c in channels]
+    return 0.2126 * linear[0] + 0.7152 * linear[1] + 0.0722 * linear[2]
+
+
+def contrast(a, b) -> float:
+    """WCAG contrast ratio of two colours (1 to 21)."""
+    high, low = sorted((_luminance(a), _luminance(b)), reverse=True)
+    return (high + 0.05) / (low + 0.05)
+
+
+@pytest.mark.parametrize("mode", ["light", "dark"])
+def test_the_logo_title_is_legible_in_each_mode(browser, site: str, built_book: Path, mode) -> None:
+    """Each line of the logo's title ("Scaling", "Flax NNX") against the page background."""
+    from PIL import Image
+
+    page = browser.new_page(viewport={"width": 1400, "height": 900})
+    page.goto(f"{site}/chapters/{CHAPTERS[0].stem}.html", wait_until="networkidle")
+    page.evaluate(f"document.documentElement.dataset.theme = '{mode}'")
+    page.wait_for_timeout(200)
+    shown = page.evaluate(
+        "[...document.querySelectorAll('.logo__image')].filter(i => i.offsetParent !== null)"
+        ".map(i => [i.getAttribute('src'), i.naturalWidth])"
+    )
+    background = page.evaluate("getComputedStyle(document.body).backgroundColor")
+    page.close()
+    assert len(shown) == 1 and shown[0][1] > 0, shown
+    background = [int(c) for c in background[background.index("(") + 1 : -1].split(",")[:3]]
+    logo = Image.open(built_book / "_static" / Path(shown[0][0]).name).convert("RGBA")
+    width, height = logo.size
+    title = [
+        (y, pixel)
+        for y in range(height)
+        for x in range(int(0.34 * width), width)
+        if (pixel := logo.getpixel((x, y)))[3] == 255
+    ]
+    for line in (lambda y: y < height / 2, lambda y: y >= height / 2):
+        colours = sorted((p for y, p in title if line(y)), key=_luminance)
+        assert colours, "the title has two lines of text"
+        median = colours[len(colours) // 2]
+        assert contrast(median, background) >= 3.0, (mode, median, background)  # WCAG, large
