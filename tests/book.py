@@ -22,7 +22,8 @@ rest, so a chapter may import only the standard library, the kernel's packages a
 `pip install nnxscale` brings."""
 
 SETUP_CELL = """\
-# Setup: on Colab, install the book's library; everywhere, emulate devices before JAX starts.
+# Setup: on Colab, install the book's library; everywhere, emulate devices
+# before JAX starts.
 import importlib.util
 import os
 import subprocess
@@ -32,7 +33,9 @@ if "google.colab" in sys.modules and importlib.util.find_spec("nnxscale") is Non
     source = os.environ.get(
         "NNXSCALE_SOURCE", "git+{repository}@{branch}"
     )
-    subprocess.run([sys.executable, "-m", "pip", "install", "-q", source], check=True)
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "-q", source], check=True
+    )
     importlib.invalidate_caches()
 
 import nnxscale as nx

@@ -174,14 +174,15 @@ def check_matches(saved: dict[str, Any], wanted: dict[str, Any], where: str) -> 
         return
     problems = []
     if missing:
-        problems.append(f"{len(missing)} arrays the target has and {where} lacks: "
-                        f"{_listing(missing)}")  # fmt: skip
+        problems.append(
+            f"{len(missing)} arrays the target has and {where} lacks: {_listing(missing)}"
+        )
     if extra:
-        problems.append(f"{len(extra)} arrays {where} has and the target lacks: "
-                        f"{_listing(extra)}")  # fmt: skip
+        problems.append(f"{len(extra)} arrays {where} has and the target lacks: {_listing(extra)}")
     if different:
-        problems.append(f"{len(different)} arrays of another shape or dtype: "
-                        f"{_listing(different, 3)}")  # fmt: skip
+        problems.append(
+            f"{len(different)} arrays of another shape or dtype: {_listing(different, 3)}"
+        )
     raise CheckpointMismatchError(
         f"{where} does not match the state to restore into. " + "; ".join(problems) + ". "
         "Restore into a state built with the model configuration, optimizer and code that "
@@ -250,9 +251,13 @@ class Checkpoints:
     """A directory of train-state checkpoints, managed by Orbax: async saves, the last k kept."""
 
     def __init__(
-        self, directory: str | Path, *, keep: int = 3, asynchronous: bool = True,
+        self,
+        directory: str | Path,
+        *,
+        keep: int = 3,
+        asynchronous: bool = True,
         create: bool = True,
-    ) -> None:  # fmt: skip
+    ) -> None:
         self.directory = Path(directory).absolute()
         if not create and not self.directory.is_dir():
             raise NoCheckpointError(
@@ -364,11 +369,19 @@ class Checkpoints:
         return restored["state"]
 
     def restore(
-        self, model: nnx.Module | Callable[[dict[str, Any] | None], nnx.Module],
-        tx: optax.GradientTransformation, rules: Rules, mesh: Mesh, *,
-        step: int | None = None, data: Batches | None = None, micro_batches: int = 1,
-        dropout: bool = True, loss_fn: LossFn | None = None, grads_fn: GradsFn | None = None,
-    ) -> Trainer:  # fmt: skip
+        self,
+        model: nnx.Module | Callable[[dict[str, Any] | None], nnx.Module],
+        tx: optax.GradientTransformation,
+        rules: Rules,
+        mesh: Mesh,
+        *,
+        step: int | None = None,
+        data: Batches | None = None,
+        micro_batches: int = 1,
+        dropout: bool = True,
+        loss_fn: LossFn | None = None,
+        grads_fn: GradsFn | None = None,
+    ) -> Trainer:
         """A trainer resumed from the checkpoint of `step`, laid out by `rules` on `mesh`.
 
         `model` gives the model's structure: a module (concrete or abstract, only its shapes
@@ -419,8 +432,9 @@ class Checkpoints:
     def files(self, step: int | None = None) -> list[tuple[str, int, str]]:
         """(path in the step directory, bytes, what it holds) of every file of a checkpoint."""
         root = self.directory / str(self._step(step))
-        found = [(str(p.relative_to(root)), p.stat().st_size) for p in root.rglob("*")
-                 if p.is_file()]  # fmt: skip
+        found = [
+            (str(p.relative_to(root)), p.stat().st_size) for p in root.rglob("*") if p.is_file()
+        ]
         return [(path, size, file_role(path)) for path, size in sorted(found)]
 
     def close(self) -> None:

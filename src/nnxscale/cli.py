@@ -104,9 +104,13 @@ def _train(args: argparse.Namespace) -> None:
             trainer = Trainer.create(create(cfg), adamw(), rules, mesh)
         start, stop = batches.local_rows(trainer.batch)
         emit(
-            "start", processes=jax.process_count(), local_devices=jax.local_device_count(),
-            devices=jax.device_count(), rows=[start, stop], batch_size=batches.batch_size,
-        )  # fmt: skip
+            "start",
+            processes=jax.process_count(),
+            local_devices=jax.local_device_count(),
+            devices=jax.device_count(),
+            rows=[start, stop],
+            batch_size=batches.batch_size,
+        )
         while trainer.step_count() < args.steps:
             (loss,) = trainer.train(batches, 1)
             step = trainer.step_count()
@@ -135,18 +139,30 @@ def _restore(args: argparse.Namespace) -> None:
     embed = trainer.state["model"]["embed"][...]
     sums = checksums(trainer.state)
     emit(
-        "restored", step=record.step, devices=jax.device_count(),
+        "restored",
+        step=record.step,
+        devices=jax.device_count(),
         platform=jax.devices()[0].platform,
         saved={"rules": record.rules["name"], "mesh": record.mesh, "devices": record.devices},
-        rules=rules.name, mesh=dict(mesh.shape), seconds=seconds,
-        bytes_per_device=layout.bytes_per_device(), total_bytes=layout.total_bytes(),
-        embed={"shape": embed.shape, "spec": tuple(embed.sharding.spec),
-               "shard_shape": embed.addressable_shards[0].data.shape},
+        rules=rules.name,
+        mesh=dict(mesh.shape),
+        seconds=seconds,
+        bytes_per_device=layout.bytes_per_device(),
+        total_bytes=layout.total_bytes(),
+        embed={
+            "shape": embed.shape,
+            "spec": tuple(embed.sharding.spec),
+            "shard_shape": embed.addressable_shards[0].data.shape,
+        },
         arrays=len(sums),
-    )  # fmt: skip
+    )
     if args.report:
-        report = {"step": record.step, "devices": jax.device_count(), "seconds": seconds,
-                  "checksums": sums}  # fmt: skip
+        report = {
+            "step": record.step,
+            "devices": jax.device_count(),
+            "seconds": seconds,
+            "checksums": sums,
+        }
         Path(args.report).write_text(json.dumps(report))
 
 
@@ -157,8 +173,13 @@ def _collective(args: argparse.Namespace) -> None:
         NamedSharding(mesh, PartitionSpec("all")), np.ones(jax.local_device_count(), np.int32)
     )
     total = int(jax.jit(jnp.sum, out_shardings=NamedSharding(mesh, PartitionSpec()))(ones))
-    emit("hello", processes=jax.process_count(), local_devices=jax.local_device_count(),
-         devices=jax.device_count(), sum=total)  # fmt: skip
+    emit(
+        "hello",
+        processes=jax.process_count(),
+        local_devices=jax.local_device_count(),
+        devices=jax.device_count(),
+        sum=total,
+    )
     time.sleep(args.hold)
 
 
@@ -219,9 +240,16 @@ class Crash:
 
 
 def crash_during_save(
-    directory: str | Path, *, steps: int, save_every: int, devices: int, rules: str = "FSDP",
-    batch_size: int = 16, config: str = "{}", timeout: float = 300,
-) -> Crash:  # fmt: skip
+    directory: str | Path,
+    *,
+    steps: int,
+    save_every: int,
+    devices: int,
+    rules: str = "FSDP",
+    batch_size: int = 16,
+    config: str = "{}",
+    timeout: float = 300,
+) -> Crash:
     """Train to `steps`, saving every `save_every`; SIGKILL the process as its last save starts.
 
     The process kills itself right after its last `saving` event, as soon as Orbax has taken
@@ -229,10 +257,26 @@ def crash_during_save(
     while the files are written, without waiting for another process to react.
     """
     command = [
-        sys.executable, "-m", "nnxscale.cli", "train", str(directory), "--devices", str(devices),
-        "--rules", rules, "--steps", str(steps), "--save-every", str(save_every),
-        "--batch-size", str(batch_size), "--config", config, "--crash-during-save", str(steps),
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "nnxscale.cli",
+        "train",
+        str(directory),
+        "--devices",
+        str(devices),
+        "--rules",
+        rules,
+        "--steps",
+        str(steps),
+        "--save-every",
+        str(save_every),
+        "--batch-size",
+        str(batch_size),
+        "--config",
+        config,
+        "--crash-during-save",
+        str(steps),
+    ]
     child = subprocess.Popen(
         command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1
     )

@@ -7,9 +7,19 @@ import platform
 from importlib import metadata
 
 PACKAGES = (
-    "jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "numpy", "matplotlib",
-    "jupyter-book", "myst-nb", "sphinx", "jupytext", "nnxscale",
-)  # fmt: skip
+    "jax",
+    "jaxlib",
+    "flax",
+    "optax",
+    "orbax-checkpoint",
+    "numpy",
+    "matplotlib",
+    "jupyter-book",
+    "myst-nb",
+    "sphinx",
+    "jupytext",
+    "nnxscale",
+)
 
 
 def versions(packages: tuple[str, ...] = PACKAGES) -> dict[str, str]:

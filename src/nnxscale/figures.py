@@ -39,10 +39,15 @@ def plot_sharding(array: jax.Array, ax: Axes | None = None, title: str | None = 
     for (r0, r1, c0, c1), ids in shard_blocks(array).items():
         ax.add_patch(
             plt.Rectangle(
-                (c0, r0), c1 - c0, r1 - r0, facecolor=_device_colour(ids[0], total),
-                edgecolor="black", linewidth=1.5, alpha=0.85,
+                (c0, r0),
+                c1 - c0,
+                r1 - r0,
+                facecolor=_device_colour(ids[0], total),
+                edgecolor="black",
+                linewidth=1.5,
+                alpha=0.85,
             )
-        )  # fmt: skip
+        )
         label = "\n".join(",".join(str(i) for i in ids[k : k + 4]) for k in range(0, len(ids), 4))
         ax.text((c0 + c1) / 2, (r0 + r1) / 2, label, ha="center", va="center", fontsize=8)
     ax.set_xlim(0, cols)
@@ -78,9 +83,15 @@ def plot_mesh(mesh: Mesh, ax: Axes | None = None) -> Axes:
         [(r, c) for r in range(ids.shape[0]) for c in range(ids.shape[1])], ids.flat, strict=True
     ):
         ax.add_patch(
-            plt.Rectangle((c, r), 1, 1, facecolor=_device_colour(int(device), ids.size),
-                          edgecolor="black", alpha=0.85)
-        )  # fmt: skip
+            plt.Rectangle(
+                (c, r),
+                1,
+                1,
+                facecolor=_device_colour(int(device), ids.size),
+                edgecolor="black",
+                alpha=0.85,
+            )
+        )
         ax.text(c + 0.5, r + 0.5, str(device), ha="center", va="center", fontsize=9)
     ax.set_xlim(0, ids.shape[1])
     ax.set_ylim(ids.shape[0], 0)
@@ -106,10 +117,18 @@ def plot_timeline(timeline: Timeline, ax: Axes | None = None) -> Axes:
         for task, start, end in runs:
             forward = task.kind == FORWARD
             colour = colours(task.micro % 10)
-            ax.add_patch(plt.Rectangle(
-                (start, d - 0.4), end - start, 0.8, facecolor=colour, alpha=0.45 if forward else 1,
-                edgecolor="black", linewidth=0.5, hatch=None if forward else "//",
-            ))  # fmt: skip
+            ax.add_patch(
+                plt.Rectangle(
+                    (start, d - 0.4),
+                    end - start,
+                    0.8,
+                    facecolor=colour,
+                    alpha=0.45 if forward else 1,
+                    edgecolor="black",
+                    linewidth=0.5,
+                    hatch=None if forward else "//",
+                )
+            )
             label = f"{task.micro}" if schedule.virtual == 1 else f"{task.micro}.{task.stage}"
             ax.text((start + end) / 2, d, label, ha="center", va="center", fontsize=6)
     ax.set_xlim(0, timeline.makespan)
@@ -118,6 +137,7 @@ def plot_timeline(timeline: Timeline, ax: Axes | None = None) -> Axes:
     ax.set_xlabel("time (a forward pass through one device's layers = 1)")
     ax.set_title(
         f"{schedule.name}: p={schedule.devices}, m={schedule.micro_batches}; "
-        f"idle {timeline.bubble():.1%} (light: forward, hatched: backward)", fontsize=9,
-    )  # fmt: skip
+        f"idle {timeline.bubble():.1%} (light: forward, hatched: backward)",
+        fontsize=9,
+    )
     return ax

@@ -104,9 +104,14 @@ def run_layers(
 
 
 def local_loss(
-    params: nnx.State, graphdef: nnx.GraphDef, rest: nnx.State, specs: nnx.State,
-    tokens: jax.Array, key: jax.Array | None, options: Options,
-) -> jax.Array:  # fmt: skip
+    params: nnx.State,
+    graphdef: nnx.GraphDef,
+    rest: nnx.State,
+    specs: nnx.State,
+    tokens: jax.Array,
+    key: jax.Array | None,
+    options: Options,
+) -> jax.Array:
     """This device's share of the batch's mean loss: the mean over its rows, over N devices."""
     outer = nnx.State({k: v for k, v in params.items() if k != "blocks"})
     outer = gather_tree(
@@ -123,9 +128,15 @@ def local_loss(
 
 
 def loss_and_grads(
-    model: Transformer, batch: jax.Array, key: jax.Array | None, micro_batches: int = 1, *,
-    mesh: Mesh, rules: Rules = FSDP, options: Options = Options(),
-) -> tuple[jax.Array, nnx.State]:  # fmt: skip
+    model: Transformer,
+    batch: jax.Array,
+    key: jax.Array | None,
+    micro_batches: int = 1,
+    *,
+    mesh: Mesh,
+    rules: Rules = FSDP,
+    options: Options = Options(),
+) -> tuple[jax.Array, nnx.State]:
     """Loss and gradients of `model` on `batch` by hand-written FSDP over `options.axis`.
 
     The parameters are laid out by `rules` (FSDP) and the model scans its layers; the

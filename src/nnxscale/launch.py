@@ -29,8 +29,10 @@ from functools import partial
 from typing import NoReturn
 
 COORDINATOR, PROCESSES, PROCESS_ID = (
-    "NNXSCALE_COORDINATOR", "NNXSCALE_PROCESSES", "NNXSCALE_PROCESS_ID"
-)  # fmt: skip
+    "NNXSCALE_COORDINATOR",
+    "NNXSCALE_PROCESSES",
+    "NNXSCALE_PROCESS_ID",
+)
 
 
 PR_SET_PDEATHSIG = 1
@@ -117,8 +119,10 @@ class Run:
         finally:
             self.stop()
         if failure:
-            raise LaunchError(f"{failure}; every other worker was stopped. Last output:\n"
-                              + "\n".join(self.output[-20:]))  # fmt: skip
+            raise LaunchError(
+                f"{failure}; every other worker was stopped. Last output:\n"
+                + "\n".join(self.output[-20:])
+            )
         return self.output
 
     def stop(self) -> None:
@@ -133,9 +137,13 @@ class Run:
 
 
 def start(
-    command: Sequence[str], processes: int, devices: int, *,
-    echo: Callable[[str], None] | None = print, env: dict[str, str] | None = None,
-) -> Run:  # fmt: skip
+    command: Sequence[str],
+    processes: int,
+    devices: int,
+    *,
+    echo: Callable[[str], None] | None = print,
+    env: dict[str, str] | None = None,
+) -> Run:
     """Start `processes` copies of `command`, each with `devices` emulated devices.
 
     Call `wait` on the result from the same thread: on Linux a worker is killed when the
@@ -146,13 +154,22 @@ def start(
     coordinator = f"localhost:{free_port()}"
     run = Run([])
     for index in range(processes):
-        worker_env = {**os.environ, **(env or {}), COORDINATOR: coordinator,
-                      PROCESSES: str(processes), PROCESS_ID: str(index),
-                      "NNXSCALE_DEVICES": str(devices), "PYTHONUNBUFFERED": "1"}  # fmt: skip
+        worker_env = {
+            **os.environ,
+            **(env or {}),
+            COORDINATOR: coordinator,
+            PROCESSES: str(processes),
+            PROCESS_ID: str(index),
+            "NNXSCALE_DEVICES": str(devices),
+            "PYTHONUNBUFFERED": "1",
+        }
         worker = subprocess.Popen(
-            guarded(command), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            guarded(command),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
             env=worker_env,
-        )  # fmt: skip
+        )
         run.workers.append(worker)
 
         def read(stream=worker.stdout, prefix=f"[process {index}] ") -> None:
@@ -171,9 +188,14 @@ def start(
 
 
 def launch(
-    command: Sequence[str], processes: int, devices: int, *, timeout: float = 300,
-    echo: Callable[[str], None] | None = print, env: dict[str, str] | None = None,
-) -> list[str]:  # fmt: skip
+    command: Sequence[str],
+    processes: int,
+    devices: int,
+    *,
+    timeout: float = 300,
+    echo: Callable[[str], None] | None = print,
+    env: dict[str, str] | None = None,
+) -> list[str]:
     """Run `command` as `processes` workers of one distributed run; their prefixed output."""
     return start(command, processes, devices, echo=echo, env=env).wait(timeout)
 
@@ -195,8 +217,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     # Stopped with SIGTERM (as by a scheduler), exit through `wait`'s cleanup like Ctrl-C.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     try:
-        launch(command, args.processes, args.devices, timeout=args.timeout,
-               echo=partial(print, flush=True))  # fmt: skip
+        launch(
+            command,
+            args.processes,
+            args.devices,
+            timeout=args.timeout,
+            echo=partial(print, flush=True),
+        )
     except LaunchError as error:
         print(f"launch failed: {error}", file=sys.stderr)
         sys.exit(1)

@@ -218,10 +218,17 @@ class Layout:
         )
         headers = ["path", "shape", "logical axes", "mesh spec", "per device", "bytes/device"]
         rows = [
-            [p.path, p.shape, p.logical or "-", tuple(p.spec), p.shard_shape,
-             p.bytes_per_device, p.reason]
+            [
+                p.path,
+                p.shape,
+                p.logical or "-",
+                tuple(p.spec),
+                p.shard_shape,
+                p.bytes_per_device,
+                p.reason,
+            ]
             for p in self.placements
-        ]  # fmt: skip
+        ]
         return str(table([*headers, "note"], rows, title))
 
 

@@ -80,9 +80,11 @@ class Attention(nnx.Module):
         self.key = _param(rngs, qkv, names, cfg.embed)
         self.value = _param(rngs, qkv, names, cfg.embed)
         self.out = _param(
-            rngs, (cfg.heads, cfg.head_dim, cfg.embed), ("heads", "head_dim", "embed"),
+            rngs,
+            (cfg.heads, cfg.head_dim, cfg.embed),
+            ("heads", "head_dim", "embed"),
             cfg.heads * cfg.head_dim,
-        )  # fmt: skip
+        )
         self.head_dim = cfg.head_dim
 
     def __call__(self, x: jax.Array) -> jax.Array:

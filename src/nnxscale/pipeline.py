@@ -83,9 +83,13 @@ def _run_layers(blocks: nnx.Module, x: jax.Array) -> jax.Array:
 
 
 def _stage_loss(
-    params: nnx.State, x_in: jax.Array, tokens: jax.Array, graphdef: nnx.GraphDef,
-    rest: nnx.State, scale: float,
-) -> tuple[jax.Array, jax.Array]:  # fmt: skip
+    params: nnx.State,
+    x_in: jax.Array,
+    tokens: jax.Array,
+    graphdef: nnx.GraphDef,
+    rest: nnx.State,
+    scale: float,
+) -> tuple[jax.Array, jax.Array]:
     """This device's stage on one micro-batch: (its output, its share of the loss if last)."""
     stage, stages = jax.lax.axis_index(STAGE), jax.lax.axis_size(STAGE)
     model: Transformer = nnx.merge(graphdef, params, rest)

@@ -53,8 +53,11 @@ class Schedule:
 
 
 def _check(devices: int, micro_batches: int, virtual: int = 1) -> None:
-    for name, value in (("devices", devices), ("micro_batches", micro_batches),
-                        ("virtual", virtual)):  # fmt: skip
+    for name, value in (
+        ("devices", devices),
+        ("micro_batches", micro_batches),
+        ("virtual", virtual),
+    ):
         if value < 1:
             raise ScheduleError(f"{name}={value}: a pipeline needs at least 1")
 
@@ -110,8 +113,9 @@ def interleaved(devices: int, micro_batches: int, virtual: int) -> Schedule:
             tasks += [task(FORWARD, warmup + k, d), task(BACKWARD, k, d)]
         tasks += [task(BACKWARD, k, d) for k in range(total - warmup, total)]
         order.append(tuple(tasks))
-    return Schedule(f"interleaved 1F1B (v={virtual})", devices, micro_batches, virtual,
-                    tuple(order))  # fmt: skip
+    return Schedule(
+        f"interleaved 1F1B (v={virtual})", devices, micro_batches, virtual, tuple(order)
+    )
 
 
 def dependencies(task: Task, stages: int) -> list[Task]:
@@ -178,8 +182,10 @@ def simulate(
                 needs = dependencies(task, schedule.stages)
                 if any(n not in done for n in needs):
                     break
-                ready = [end + (latency if device != d else 0.0)
-                         for device, end in (done[n] for n in needs)]  # fmt: skip
+                ready = [
+                    end + (latency if device != d else 0.0)
+                    for device, end in (done[n] for n in needs)
+                ]
                 start = max([free[d], *ready])
                 free[d] = start + cost(task)
                 done[task] = (d, free[d])
@@ -208,8 +214,12 @@ def validate(schedule: Schedule) -> None:
 
 def _check_tasks(schedule: Schedule) -> None:
     """Raise ScheduleError unless every task appears exactly once, on the device of its stage."""
-    expected = {Task(kind, i, s) for kind in (FORWARD, BACKWARD)
-                for i in range(schedule.micro_batches) for s in range(schedule.stages)}  # fmt: skip
+    expected = {
+        Task(kind, i, s)
+        for kind in (FORWARD, BACKWARD)
+        for i in range(schedule.micro_batches)
+        for s in range(schedule.stages)
+    }
     seen: set[Task] = set()
     for d, tasks in enumerate(schedule.order):
         for task in tasks:

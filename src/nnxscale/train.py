@@ -47,9 +47,13 @@ class TrainState(nnx.Module):
     """Model, optimizer, EMA of the parameters (started at the parameters) and dropout RNG."""
 
     def __init__(
-        self, model: nnx.Module, tx: optax.GradientTransformation, *, seed: int = 0,
+        self,
+        model: nnx.Module,
+        tx: optax.GradientTransformation,
+        *,
+        seed: int = 0,
         ema_decay: float = 0.9,
-    ) -> None:  # fmt: skip
+    ) -> None:
         check_model(model)
         with nnx.use_eager_sharding(False):  # rule sets, not Flax, decide where arrays go
             self.model = model
@@ -166,9 +170,14 @@ def loss_and_grads(
 
 
 def train_step(
-    graphdef: nnx.GraphDef, state: nnx.State, batch: Any, *, micro_batches: int = 1,
-    dropout: bool = True, grads_fn: GradsFn = loss_and_grads,
-) -> tuple[nnx.State, jax.Array]:  # fmt: skip
+    graphdef: nnx.GraphDef,
+    state: nnx.State,
+    batch: Any,
+    *,
+    micro_batches: int = 1,
+    dropout: bool = True,
+    grads_fn: GradsFn = loss_and_grads,
+) -> tuple[nnx.State, jax.Array]:
     """One optimizer step and EMA update on `batch`; returns the new state and the loss."""
     ts = nnx.merge(graphdef, state)
     key = ts.rngs.dropout() if dropout else None
@@ -220,11 +229,20 @@ class Trainer:
 
     @classmethod
     def create(
-        cls, model: nnx.Module | Callable[[], nnx.Module], tx: optax.GradientTransformation,
-        rules: Rules, mesh: Mesh, *, loss_fn: LossFn | None = None,
-        grads_fn: GradsFn | None = None, micro_batches: int = 1, dropout: bool = True,
-        seed: int = 0, ema_decay: float = 0.9, config: dict[str, Any] | None = None,
-    ) -> Trainer:  # fmt: skip
+        cls,
+        model: nnx.Module | Callable[[], nnx.Module],
+        tx: optax.GradientTransformation,
+        rules: Rules,
+        mesh: Mesh,
+        *,
+        loss_fn: LossFn | None = None,
+        grads_fn: GradsFn | None = None,
+        micro_batches: int = 1,
+        dropout: bool = True,
+        seed: int = 0,
+        ema_decay: float = 0.9,
+        config: dict[str, Any] | None = None,
+    ) -> Trainer:
         """A trainer for `model` (an NNX module, or a function that creates one) with `tx`,
         laid out by `rules` on `mesh`.
 
@@ -260,10 +278,17 @@ class Trainer:
 
     @classmethod
     def from_layout(
-        cls, graphdef: nnx.GraphDef, values: nnx.State, layout: Layout, *,
-        loss_fn: LossFn | None = None, grads_fn: GradsFn | None = None, micro_batches: int = 1,
-        dropout: bool = True, config: dict[str, Any] | None = None,
-    ) -> Trainer:  # fmt: skip
+        cls,
+        graphdef: nnx.GraphDef,
+        values: nnx.State,
+        layout: Layout,
+        *,
+        loss_fn: LossFn | None = None,
+        grads_fn: GradsFn | None = None,
+        micro_batches: int = 1,
+        dropout: bool = True,
+        config: dict[str, Any] | None = None,
+    ) -> Trainer:
         """A trainer for a split train state already resolved into `layout` (placed there if
         it is not), with its step and evaluations jitted on the layout's shardings."""
         if loss_fn is not None and grads_fn is not None:
