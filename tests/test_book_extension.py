@@ -106,3 +106,54 @@ def test_treescope_outputs_are_inserted_only_once_parsed() -> None:
     assert first.astext().startswith('<div class="nnxscale-deferred"><template>' + treescope)
     assert "document.importNode" in first.astext()
     assert second.astext() == "<b>plain</b>"
+
+
+def fake_app(srcdir: Path = ROOT):
+    options = {"repository_url": "https://github.com/o/r", "repository_branch": "main"}
+    return SimpleNamespace(config=SimpleNamespace(html_theme_options=options), srcdir=srcdir)
+
+
+@pytest.mark.parametrize(
+    ("text", "url"),
+    [
+        ("jax.shard_map", "https://docs.jax.dev/en/latest/_autosummary/jax.shard_map.html"),
+        ("shard_map", "https://docs.jax.dev/en/latest/_autosummary/jax.shard_map.html"),
+        ("jax.lax.ppermute()", "https://docs.jax.dev/en/latest/_autosummary/jax.lax.ppermute.html"),
+        ("nnx.Rngs", ext.NNX + "rnglib.html#flax.nnx.Rngs"),
+        ("benchmarks/fsdp.py", "https://github.com/o/r/blob/main/benchmarks/fsdp.py"),
+        ("src/nnxscale/", "https://github.com/o/r/tree/main/src/nnxscale"),
+        ("nx.hlo", "https://github.com/o/r/blob/main/src/nnxscale/hlo.py"),
+        ("model", None),
+        ("a/b/not-a-file.py", None),
+    ],
+)
+def test_inline_code_links_to_docs_source_and_files(text: str, url: str | None) -> None:
+    assert ext.link_target(text, fake_app()) == url
+
+
+def test_library_names_link_to_the_line_that_defines_them() -> None:
+    import inspect
+
+    import nnxscale as nx
+
+    url = ext.link_target("nx.Trainer.create", fake_app())
+    line = inspect.getsourcelines(nx.Trainer.create)[1]
+    assert url == f"https://github.com/o/r/blob/main/src/nnxscale/train.py#L{line}"
+
+
+def test_bibliography_labels_read_like_the_citations() -> None:
+    from pybtex.database import parse_string
+    from pybtex.plugin import find_plugin
+
+    config = SimpleNamespace()
+    ext.author_year_labels(None, config)
+    style = find_plugin("pybtex.style.formatting", config.bibtex_default_style)()
+    entries = parse_string(
+        "@misc{a, author={Huang, Yanping and Cheng, Youlong and Bapna, Ankur}, year={2019},"
+        " title={GPipe}}\n@misc{b, author={Austin, Jacob and Douglas, Sholto}, year={2025},"
+        " title={Scaling}}\n@misc{c, author={Xu, Yuanzhong}, year={2021}, title={GSPMD}}"
+        "@misc{d, author={Xu, Yuanzhong}, year={2021}, title={More}}",
+        "bibtex",
+    )
+    labels = [e.label for e in style.format_entries(entries.entries.values())]
+    assert labels == ["Austin and Douglas 2025", "Huang et al. 2019", "Xu 2021a", "Xu 2021b"]

@@ -257,3 +257,126 @@ def test_the_logo_title_is_legible_in_each_mode(browser, site: str, built_book: 
         assert colours, "the title has two lines of text"
         median = colours[len(colours) // 2]
         assert contrast(median, background) >= 3.0, (mode, median, background)  # WCAG, large
+
+
+OVERFLOWING = """() => {
+    const article = document.querySelector('article.bd-article');
+    const edge = article.getBoundingClientRect().right + 1;
+    const clipped = (el) => {  // inside a box that scrolls or clips and itself fits
+        for (let a = el.parentElement; a && a !== article; a = a.parentElement) {
+            const x = getComputedStyle(a).overflowX;
+            if (['auto', 'scroll', 'hidden'].includes(x) && a.getBoundingClientRect().right <= edge)
+                return true;
+        }
+        return false;
+    };
+    return [...article.querySelectorAll('*')]
+        .filter(el => el.getBoundingClientRect().width > 0)
+        .filter(el => el.getBoundingClientRect().right > edge && !clipped(el))
+        .map(el => el.tagName + '.' + el.className + ': ' + el.textContent.slice(0, 60));
+}"""
+"""Elements reaching past the article's right edge, unless inside a box that scrolls or clips."""
+WIDE_CODE = """() => [...document.querySelectorAll('.cell_input pre')]
+    .filter(p => p.scrollWidth > p.clientWidth + 1).map(p => p.textContent.slice(0, 60))"""
+
+
+@pytest.mark.parametrize("chapter", CHAPTERS, ids=[c.stem for c in CHAPTERS])
+@pytest.mark.parametrize(("width", "height"), [(1400, 900), (390, 844)], ids=["desktop", "phone"])
+def test_nothing_is_wider_than_the_page(browser, site: str, chapter: Path, width, height) -> None:
+    """Wide tables and code scroll inside their own box; at desktop width code cells fit."""
+    page = browser.new_page(viewport={"width": width, "height": height})
+    page.goto(f"{site}/chapters/{chapter.stem}.html", wait_until="networkidle")
+    overflowing = page.evaluate(OVERFLOWING)
+    wide_code = page.evaluate(WIDE_CODE)
+    if width < 1200:
+        (SCREENSHOTS / "phone").mkdir(parents=True, exist_ok=True)
+        page.screenshot(path=SCREENSHOTS / "phone" / f"{chapter.stem}.png", full_page=True)
+    page.close()
+    assert overflowing == []
+    if width >= 1200:
+        assert wide_code == [], "code cells wider than the book's 86 columns"
+
+
+FIGURES = """() => [...document.querySelectorAll('article.bd-article img')].map(img => {
+    const figure = img.closest('figure');
+    const caption = figure && figure.querySelector('figcaption');
+    return {src: img.getAttribute('src'), alt: img.getAttribute('alt') || '',
+            number: caption ? (caption.querySelector('.caption-number') || {}).textContent : null,
+            caption: caption ? caption.textContent.trim() : '', id: figure ? figure.id : '',
+            natural: img.naturalWidth, shown: img.getBoundingClientRect().width};
+})"""
+
+
+@pytest.mark.parametrize("chapter", CHAPTERS, ids=[c.stem for c in CHAPTERS])
+def test_every_image_is_a_numbered_captioned_figure(browser, site: str, chapter: Path) -> None:
+    """Each image: inside a numbered figure with a caption, alt text that describes it (not a
+    file name), drawn at twice the size it is shown, and referenced from the text."""
+    page, problems = open_page(browser, f"{site}/chapters/{chapter.stem}.html")
+    figures = page.evaluate(FIGURES)
+    references = page.eval_on_selector_all(
+        "article a[href*='#fig-']", "as => as.map(a => [a.getAttribute('href'), a.textContent])"
+    )
+    page.close()
+    assert problems == []
+    assert figures, "every chapter has at least one figure"
+    for figure in figures:
+        assert figure["number"] and figure["number"].startswith("Figure "), figure
+        assert len(figure["caption"]) > len(figure["number"]) + 20, figure
+        assert len(figure["alt"]) > 20 and "/" not in figure["alt"], figure
+        assert not figure["alt"].endswith((".png", ".svg")), figure
+        assert figure["natural"] >= 1.9 * figure["shown"], f"not drawn at 2x: {figure}"
+    referenced = {href.rpartition("#")[2] for href, _ in references}
+    assert {f["id"] for f in figures} <= referenced, "every figure is referenced from the text"
+    assert all(text.startswith("Figure ") and text[7].isdigit() for _, text in references)
+
+
+def test_glossary_links_resolve(browser, site: str) -> None:
+    """Every chapter links glossary terms, and each link lands on a term the glossary defines."""
+    page = browser.new_page()
+    page.goto(f"{site}/book/glossary.html", wait_until="networkidle")
+    terms = set(page.eval_on_selector_all("dl.glossary dt[id]", "ds => ds.map(d => d.id)"))
+    linked = {}
+    for chapter in CHAPTERS:
+        page.goto(f"{site}/chapters/{chapter.stem}.html", wait_until="networkidle")
+        linked[chapter.stem] = page.eval_on_selector_all(
+            "article a[href*='glossary.html#']", "as => as.map(a => a.getAttribute('href'))"
+        )
+    page.close()
+    assert terms
+    for stem, hrefs in linked.items():
+        assert hrefs, f"{stem} links no glossary term"
+        assert {h.rpartition("#")[2] for h in hrefs} <= terms, stem
+
+
+@pytest.mark.parametrize("mode", ["light", "dark"])
+def test_treescope_outputs_follow_the_mode(browser, site: str, mode: str) -> None:
+    """Chapter 2's treescope outputs: dark on a dark page, light on a light one."""
+    from io import BytesIO
+
+    from PIL import Image, ImageStat
+
+    page, problems = open_page(browser, f"{site}/chapters/{CHAPTERS[1].stem}.html")
+    page.evaluate(f"document.documentElement.dataset.theme = '{mode}'")
+    box = page.locator("treescope-container").first
+    box.scroll_into_view_if_needed()
+    page.wait_for_timeout(300)
+    shot = Image.open(BytesIO(box.screenshot())).convert("L")
+    page.close()
+    assert problems == []
+    brightness = ImageStat.Stat(shot).mean[0] / 255
+    assert brightness < 0.35 if mode == "dark" else brightness > 0.65, brightness
+
+
+def test_search_snippets_are_chapter_text(browser, site: str) -> None:
+    """Result snippets quote the chapter: no header buttons, outline or raw LaTeX."""
+    page, problems = open_page(browser, f"{site}/search.html?q=reduce-scatter")
+    page.wait_for_selector("#search-results li p.context", timeout=20_000)
+    snippets = page.eval_on_selector_all(
+        "#search-results li p.context", "ps => ps.map(p => p.textContent)"
+    )
+    page.close()
+    assert problems == []
+    assert snippets
+    for text in snippets:
+        for chrome in ("\\frac", "\\(", "$$", "Open issue", ".ipynb", "Contents", "Ctrl+K"):
+            assert chrome not in text, (chrome, text)

@@ -89,3 +89,37 @@ def test_every_import_is_a_declared_dependency(md: Path) -> None:
                 if not dists & allowed:
                     undeclared[top] = sorted(dists)
     assert not undeclared, f"imports that `pip install nnxscale` does not bring: {undeclared}"
+
+
+@pytest.mark.parametrize("md", CHAPTERS, ids=NAMES)
+def test_reader_code_carries_no_build_plumbing(md: Path) -> None:
+    """What the book shows is what a reader would write: no formatter or linter pragmas, and
+    the values glued into the prose recorded in cells the book removes."""
+    for cell in jupytext.read(md).cells:
+        if cell.cell_type != "code":
+            continue
+        assert "fmt: skip" not in cell.source and "noqa" not in cell.source, cell.source
+        if "nx.show.glue(" in cell.source:
+            assert "remove-cell" in cell.metadata.get("tags", []), cell.source
+            calls = [
+                node
+                for node in ast.parse(cell.source).body
+                if not (isinstance(node, ast.Expr) and "nx.show.glue" in ast.unparse(node))
+            ]
+            assert calls == [], "a glue cell holds glue calls only"
+
+
+@pytest.mark.parametrize("md", CHAPTERS, ids=NAMES)
+def test_figures_are_named_captioned_and_described(md: Path) -> None:
+    """Every cell that draws has a figure name, a caption and alt text; names are unique."""
+    names = []
+    for cell in jupytext.read(md).cells:
+        if cell.cell_type != "code" or not re.search(r"figures\.plot_|plt\.subplots", cell.source):
+            continue
+        options = cell.metadata.get("mystnb", {})
+        figure, image = options.get("figure", {}), options.get("image", {})
+        assert figure.get("name", "").startswith("fig-"), cell.source[:80]
+        assert len(figure.get("caption", "")) > 30 and len(image.get("alt", "")) > 30
+        names.append(figure["name"])
+    assert names, "each chapter explains its mechanism with at least one figure"
+    assert len(names) == len(set(names))

@@ -17,10 +17,21 @@ def test_table_aligns_numbers_and_escapes_pipes() -> None:
         "| name | bytes | ratio |",
         "|---|--:|--:|",
         "| a\\|b | 1,234,567 | 0.125 |",
-        "| c | 5 | 2 |",
+        "| c | 5 | 2.000 |",
     ]
     assert text._repr_markdown_() == str(text)
     assert "| 819,399 |" in table(["sent"], [[819399.0]])
+
+
+def test_each_column_has_one_format() -> None:
+    text = table(
+        ["share of state", "gap", "ms", "relative"],
+        [[0.9066, 1.2e-6, 12.5, 0.5], [0.007681, 3e-7, 150.25, 1.0]],
+    )
+    assert text.splitlines()[2:] == [
+        "| 90.7% | 1.2e-06 | 12.5 | 50.0% |",
+        "| 0.8% | 3.0e-07 | 150.2 | 100.0% |",
+    ]
 
 
 def test_source_is_the_real_source() -> None:

@@ -1,17 +1,31 @@
-"""Sharding figures are drawn from the arrays' real shards."""
+"""Figures are drawn from real objects: shards, collective results, schedules, worker events."""
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 import matplotlib
+import numpy as np
 import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from nnxscale.figures import plot_mesh, plot_sharding, plot_shardings, plot_timeline, shard_blocks
+from nnxscale.figures import (
+    SUM,
+    block_sources,
+    plot_bubbles,
+    plot_collectives,
+    plot_fsdp_timeline,
+    plot_mesh,
+    plot_sharding,
+    plot_shardings,
+    plot_timeline,
+    plot_timelines,
+    plot_topology,
+    shard_blocks,
+)
 from nnxscale.mesh import make_mesh
-from nnxscale.schedules import interleaved, one_f_one_b, simulate
+from nnxscale.schedules import bubble_formula, gpipe, interleaved, one_f_one_b, simulate
 
 matplotlib.use("Agg")
 
@@ -61,4 +75,66 @@ def test_timeline_draws_a_box_per_task(schedule) -> None:
     ax = plot_timeline(timeline)
     assert len(ax.patches) == 2 * schedule.micro_batches * schedule.stages
     assert ax.get_xlim() == (0, timeline.makespan)
-    assert f"idle {timeline.bubble():.1%}" in ax.get_title()
+    assert f"idle {timeline.bubble():.1%}" in ax.get_title(loc="left")
+
+
+def test_abstract_arrays_draw_like_placed_ones(mesh) -> None:
+    spec = P("data", "model")
+    abstract = jax.ShapeDtypeStruct((8, 4), jnp.float32, sharding=NamedSharding(mesh, spec))
+    assert shard_blocks(abstract) == shard_blocks(put(mesh, spec))
+
+
+def test_collective_pieces_are_named_by_their_source() -> None:
+    blocks = np.arange(12.0).reshape(3, 4)
+    gathered = np.tile(blocks.reshape(-1), (3, 1))
+    summed = np.tile(blocks.sum(axis=0), (3, 1))
+    assert block_sources(blocks, gathered) == [[0, 1, 2]] * 3
+    assert block_sources(blocks, summed) == [[SUM]] * 3
+    assert block_sources(blocks, np.roll(blocks, 1, axis=0)) == [[2], [0], [1]]
+    assert block_sources(blocks, blocks + 0.5) == [["?"]] * 3
+    fig = plot_collectives(blocks, {"all-gather": gathered, "all-reduce": summed})
+    assert [len(ax.patches) for ax in fig.axes] == [3, 9, 3]
+
+
+def test_timelines_share_one_time_axis() -> None:
+    schedules = [gpipe(4, 8), interleaved(4, 8, 2)]
+    fig = plot_timelines(schedules)
+    longest = max(simulate(s).makespan for s in schedules)
+    assert {ax.get_xlim() for ax in fig.axes} == {(0, longest)}
+    assert simulate(schedules[1]).makespan < longest  # interleaving ends first, visibly
+
+
+def test_bubbles_are_simulated_on_the_formula() -> None:
+    ax = plot_bubbles(4, [4, 8], [1, 2]).axes[0]
+    points = [
+        (x, y)
+        for line in ax.get_lines()
+        if len(line.get_xdata()) == 1
+        for x, y in zip(line.get_xdata(), line.get_ydata(), strict=True)
+    ]
+    assert len(points) == 2 * 2 + 2  # GPipe and 1F1B at m = 4 and 8, interleaved at both
+    formulas = {bubble_formula(4, int(x), v) for x, _ in points for v in (1, 2)}
+    assert all(any(abs(y - f) < 1e-12 for f in formulas) for _, y in points)
+
+
+@pytest.mark.parametrize(("again", "boxes"), [(True, 3 * 4 + 2 * 4), (False, 2 * 4 + 2 * 4)])
+def test_fsdp_timeline_has_a_box_per_collective_and_pass(again: bool, boxes: int) -> None:
+    ax = plot_fsdp_timeline([10, 10, 20, 10], gather_again=again).axes[0]
+    assert len(ax.patches) == boxes
+
+
+def test_topology_places_each_device_in_its_process(mesh) -> None:
+    starts = [
+        {
+            "process": p,
+            "device_ids": list(range(4 * p, 4 * p + 4)),
+            "mesh_axes": ["data", "model"],
+            "mesh_device_ids": mesh.device_ids.tolist(),
+            "rows": [8 * p, 8 * p + 8],
+        }
+        for p in (1, 0)
+    ]
+    ax = plot_topology(starts).axes[0]
+    texts = [t.get_text() for t in ax.texts]
+    assert texts[0] == "process 0" and "device 0\ndata=0, model=0" in texts
+    assert "device 7\ndata=3, model=1" in texts and "loads batch rows 8-15" in texts

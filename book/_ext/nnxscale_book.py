@@ -1,6 +1,8 @@
 """Sphinx extension of the book: chapters re-executed when stale, a software/devices table,
-MathJax served from the book itself, no duplicated inline scripts, and treescope outputs that
-load whatever the page's parsing speed.
+MathJax served from the book itself, no duplicated inline scripts, treescope outputs that
+load whatever the page's parsing speed, figures at twice their size, API names linked to their
+documentation and the library's names and files to their source, figure numbers in
+`[Figure](#name)` links, and author-year labels in the bibliography.
 
 Sphinx re-reads (so myst-nb re-executes) only documents whose source changed. The chapters'
 outputs also depend on the library under src/, the pinned packages and the device count, so
@@ -11,9 +13,13 @@ affected chapter is executed again. `jupyter-book build .` is then never stale.
 from __future__ import annotations
 
 import hashlib
+import importlib
 import importlib.util
+import inspect
 import os
+import re
 import shutil
+import subprocess
 from pathlib import Path
 
 from docutils import nodes
@@ -133,9 +139,230 @@ def defer_treescope(app: Sphinx, doctree: nodes.document, docname: str) -> None:
             node.replace_self(nodes.raw("", DEFERRED.format(html=text), format="html"))
 
 
+JAX = "https://docs.jax.dev/en/latest/_autosummary/"
+NNX = "https://flax.readthedocs.io/en/latest/api_reference/flax.nnx/"
+ORBAX = "https://orbax.readthedocs.io/en/latest/api_reference/"
+API_DOCS = {
+    **{
+        name: f"{JAX}{name}.html"
+        for name in (
+            "jax.jit",
+            "jax.shard_map",
+            "jax.set_mesh",
+            "jax.make_mesh",
+            "jax.device_put",
+            "jax.devices",
+            "jax.device_count",
+            "jax.eval_shape",
+            "jax.checkpoint",
+            "jax.ShapeDtypeStruct",
+            "jax.typeof",
+            "jax.distributed.initialize",
+            "jax.lax.scan",
+            "jax.lax.with_sharding_constraint",
+            "jax.lax.psum",
+            "jax.lax.psum_scatter",
+            "jax.lax.all_gather",
+            "jax.lax.ppermute",
+            "jax.lax.pvary",
+            "jax.lax.all_to_all",
+            "jax.sharding.NamedSharding",
+            "jax.sharding.PartitionSpec",
+            "jax.sharding.Mesh",
+            "jax.sharding.AbstractMesh",
+            "jax.numpy.where",
+        )
+    },
+    **{
+        f"nnx.{name}": f"{NNX}{page}.html#flax.nnx.{name}"
+        for page, names in {
+            "transforms": ("jit", "grad", "value_and_grad", "scan", "remat", "eval_shape"),
+            "graph": ("split", "merge", "state", "update", "graphdef"),
+            "variables": ("Param", "Variable", "with_partitioning", "get_partition_spec"),
+            "rnglib": ("Rngs",),
+            "state": ("State",),
+            "module": ("Module",),
+        }.items()
+        for name in names
+    },
+    "nnx.Optimizer": f"{NNX}training/optimizer.html#flax.nnx.optimizer.Optimizer",
+    "ocp.CheckpointManager": f"{ORBAX}checkpoint.checkpoint_manager.html",
+}
+"""Documentation pages of the JAX, Flax NNX and Orbax names the chapters mention."""
+SHORT_NAMES = {
+    "shard_map": "jax.shard_map",
+    "ppermute": "jax.lax.ppermute",
+    "psum": "jax.lax.psum",
+    "psum_scatter": "jax.lax.psum_scatter",
+    "all_gather": "jax.lax.all_gather",
+    "pvary": "jax.lax.pvary",
+    "NamedSharding": "jax.sharding.NamedSharding",
+    "PartitionSpec": "jax.sharding.PartitionSpec",
+    "with_sharding_constraint": "jax.lax.with_sharding_constraint",
+    "jnp.where": "jax.numpy.where",
+    "jax.distributed": "jax.distributed.initialize",
+    "jax.remat": "jax.checkpoint",
+}
+"""Names written without their module, and what they stand for."""
+
+
+def _repository(app: Sphinx) -> tuple[str, str]:
+    options = app.config.html_theme_options
+    return options.get("repository_url", ""), options.get("repository_branch", "main")
+
+
+def _library_source(name: str) -> tuple[str, int] | None:
+    """The file (relative to the repository) and line where `nx.<name>` is defined."""
+    import nnxscale
+
+    target: object = nnxscale
+    try:
+        for part in name.split("."):
+            target = getattr(target, part)
+        target = inspect.unwrap(target)
+        path = Path(inspect.getsourcefile(target) or "")
+        line = inspect.getsourcelines(target)[1] if not inspect.ismodule(target) else 0
+    except (AttributeError, TypeError, OSError):
+        return None
+    root = Path(nnxscale.__file__).parent.parent.parent
+    return (str(path.relative_to(root)), line) if path.is_relative_to(root) else None
+
+
+def link_target(text: str, app: Sphinx) -> str | None:
+    """Where inline code `text` should link: API docs, the library's source, a repository file."""
+    name = re.sub(r"\(.*\)$", "", text.strip())
+    name = SHORT_NAMES.get(name, name)
+    if name in API_DOCS:
+        return API_DOCS[name]
+    repository, branch = _repository(app)
+    if not repository:
+        return None
+    for prefix in ("nx.", "nnxscale."):
+        if name.startswith(prefix) and (found := _library_source(name.removeprefix(prefix))):
+            path, line = found
+            return f"{repository}/blob/{branch}/{path}" + (f"#L{line}" if line else "")
+    tracked = _tracked_files(app.srcdir)
+    if "/" in text and text.rstrip("/") in tracked:
+        kind = "tree" if tracked[text.rstrip("/")] else "blob"
+        return f"{repository}/{kind}/{branch}/{text.rstrip('/')}"
+    return None
+
+
+_TRACKED: dict[str, dict[str, bool]] = {}
+
+
+def _tracked_files(root: str | Path) -> dict[str, bool]:
+    """Files and folders git tracks under `root`, each mapped to whether it is a folder."""
+    key = str(root)
+    if key not in _TRACKED:
+        result = subprocess.run(
+            ["git", "ls-files"], cwd=root, capture_output=True, text=True, check=False
+        )
+        files = result.stdout.split() if result.returncode == 0 else []
+        folders = {str(parent) for f in files for parent in Path(f).parents if str(parent) != "."}
+        _TRACKED[key] = {**dict.fromkeys(files, False), **dict.fromkeys(folders, True)}
+    return _TRACKED[key]
+
+
+def link_literals(app: Sphinx, doctree: nodes.document) -> None:
+    """Link inline code naming a JAX/Flax/Orbax API, a library name, or a repository file."""
+    for literal in list(doctree.findall(nodes.literal)):
+        if isinstance(literal.parent, nodes.reference | nodes.literal_block):
+            continue
+        url = link_target(literal.astext(), app)
+        if url:
+            reference = nodes.reference("", "", refuri=url, internal=False, classes=["api-link"])
+            literal.replace_self(reference)
+            reference += literal
+
+
+def number_figure_links(app: Sphinx, doctree: nodes.document, docname: str) -> None:
+    """`[Figure](#fig-x)` reads "Figure 3.2" in the book (and plain "Figure" in Colab)."""
+    numbers = app.env.toc_fignumbers
+    for reference in doctree.findall(nodes.reference):
+        if reference.astext() != "Figure" or not ("refuri" in reference or "refid" in reference):
+            continue
+        target = reference.get("refid") or reference["refuri"]
+        page, _, anchor = target.rpartition("#")
+        doc = docname if not page else _docname(app, docname, page)
+        number = numbers.get(doc, {}).get("figure", {}).get(anchor)
+        if number:
+            text = "Figure " + ".".join(map(str, number))
+            reference.children = [nodes.inline(text, text)]
+
+
+def _docname(app: Sphinx, current: str, uri: str) -> str:
+    """The document a relative HTML link from `current` points at."""
+    base = Path(current).parent
+    target = os.path.normpath(base / uri.removesuffix(app.builder.out_suffix))
+    return target.replace(os.sep, "/")
+
+
+def author_year_labels(app: Sphinx, config: object) -> None:
+    """Bibliography entries labelled as cited in the text: "Huang et al. 2019", not [HCB+19]."""
+    from pybtex.plugin import register_plugin
+    from pybtex.style.formatting.unsrt import Style as Unsorted
+    from pybtex.style.labels import BaseLabelStyle
+
+    class AuthorYear(BaseLabelStyle):
+        def format_labels(self, entries):
+            labels = []
+            for entry in entries:
+                people = entry.persons.get("author") or entry.persons.get("editor") or []
+                last = [" ".join(p.last_names) for p in people] or [entry.fields.get("title", "")]
+                names = (
+                    last[0]
+                    if len(last) == 1
+                    else (f"{last[0]} and {last[1]}" if len(last) == 2 else f"{last[0]} et al.")
+                )
+                labels.append(f"{names} {entry.fields.get('year', '')}".strip())
+            # the same authors and year twice: 2021a, 2021b, in bibliography order
+            repeated = {label for label in labels if labels.count(label) > 1}
+            seen: dict[str, int] = {}
+            for label in labels:
+                if label in repeated:
+                    seen[label] = seen.get(label, 0) + 1
+                    label += "abcdefghijklmnopqrstuvwxyz"[seen[label] - 1]
+                yield label
+
+    class Style(Unsorted):
+        default_label_style = "nnxscale-author-year"
+        default_sorting_style = "author_year_title"
+
+    register_plugin("pybtex.style.labels", "nnxscale-author-year", AuthorYear)
+    register_plugin("pybtex.style.formatting", "nnxscale", Style)
+    config.bibtex_default_style = "nnxscale"
+
+
+def glossary_terms_any_case(app: Sphinx, env: BuildEnvironment) -> None:
+    """Let `[FSDP](#fsdp)` find the glossary term "FSDP": MyST looks terms up in lower case,
+    while Sphinx 7.4 records them as written."""
+    objects = env.get_domain("std").objects
+    for (kind, name), where in list(objects.items()):
+        if kind == "term":
+            objects.setdefault((kind, name.lower()), where)
+
+
+def sharp_figures(app: Sphinx, config: object) -> None:
+    """Kernels draw matplotlib figures at twice their size (sharp on high-DPI screens): an
+    IPython profile of the build's own asks the inline backend for the 'retina' format."""
+    profile = Path(app.outdir).parent / ".ipython" / "profile_default"
+    profile.mkdir(parents=True, exist_ok=True)
+    (profile / "ipython_kernel_config.py").write_text(
+        'c.InlineBackend.figure_formats = {"retina"}\n'
+    )
+    os.environ["IPYTHONDIR"] = str(profile.parent)
+
+
 def setup(app: Sphinx) -> dict[str, object]:
     # Kernels started by myst-nb inherit this: `nnxscale.display.glue` records values only then.
     os.environ[BOOK_BUILD_ENV] = "1"
+    app.connect("config-inited", author_year_labels)
+    app.connect("config-inited", sharp_figures)
+    app.connect("doctree-read", link_literals)
+    app.connect("env-updated", glossary_terms_any_case)
+    app.connect("doctree-resolved", number_figure_links)
+    app.add_js_file("nnxscale-search.js")
     app.connect("doctree-resolved", defer_treescope)
     app.connect("env-get-outdated", outdated_chapters)
     app.connect("config-inited", use_local_mathjax)

@@ -108,6 +108,9 @@ def _train(args: argparse.Namespace) -> None:
             processes=jax.process_count(),
             local_devices=jax.local_device_count(),
             devices=jax.device_count(),
+            device_ids=[d.id for d in jax.local_devices()],
+            mesh_axes=list(mesh.axis_names),
+            mesh_device_ids=mesh.device_ids.tolist(),
             rows=[start, stop],
             batch_size=batches.batch_size,
         )

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import inspect
+import math
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 BOOK_BUILD_ENV = "NNXSCALE_BOOK_BUILD"
 """Set (to 1) by the book's Sphinx extension, so kernels it starts know they feed the book."""
@@ -20,22 +21,42 @@ class Markdown(str):
         return str(self)
 
 
-def table(headers: Sequence[str], rows: Iterable[Sequence[object]], title: str = "") -> Markdown:
-    """A Markdown table; numbers are right-aligned and integers get thousands separators."""
-    rows = [list(row) for row in rows]
-    numeric = [all(isinstance(r[i], int | float) for r in rows) for i in range(len(headers))]
+PERCENT_WORDS = ("share", "relative", "bubble", "idle", "fraction")
+"""A float column whose header contains one of these prints as percentages."""
+
+
+def _column_format(header: str, values: list[object]) -> Callable[[object], str]:
+    """One format for a whole column, so its numbers line up: exact integers with thousands
+    separators; floats as percentages (shares), in scientific notation (tiny differences) or
+    with one number of decimals chosen by the column's largest value."""
+    floats = [abs(v) for v in values if isinstance(v, float)]
+    if any(word in header.lower() for word in PERCENT_WORDS) and floats and max(floats) <= 10:
+        float_format = "{:.1%}"
+    elif all(v == int(v) or v >= 1000 for v in floats):
+        float_format = "{:,.0f}"
+    elif any(0 < v < 1e-3 for v in floats):
+        float_format = "{:.1e}"
+    else:
+        digits = math.floor(math.log10(max(floats))) + 1 if max(floats) > 0 else 1
+        float_format = f"{{:,.{min(4, max(1, 4 - digits))}f}}"
 
     def cell(value: object) -> str:
         if isinstance(value, bool) or not isinstance(value, int | float):
             return str(value).replace("|", "\\|")
-        if isinstance(value, int) or abs(value) >= 1000:  # counts and byte totals: exact digits
-            return f"{value:,.0f}"
-        return f"{value:,.4g}"
+        return f"{value:,}" if isinstance(value, int) else float_format.format(value)
 
+    return cell
+
+
+def table(headers: Sequence[str], rows: Iterable[Sequence[object]], title: str = "") -> Markdown:
+    """A Markdown table; numbers are right-aligned and formatted alike down each column."""
+    rows = [list(row) for row in rows]
+    numeric = [all(isinstance(r[i], int | float) for r in rows) for i in range(len(headers))]
+    cells = [_column_format(h, [r[i] for r in rows]) for i, h in enumerate(headers)]
     lines = [
         "| " + " | ".join(headers) + " |",
         "|" + "|".join("--:" if n else "---" for n in numeric) + "|",
-        *("| " + " | ".join(cell(v) for v in row) + " |" for row in rows),
+        *("| " + " | ".join(cells[i](v) for i, v in enumerate(row)) + " |" for row in rows),
     ]
     return Markdown((f"{title}\n\n" if title else "") + "\n".join(lines))
 

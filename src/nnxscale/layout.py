@@ -165,6 +165,15 @@ class Layout:
             is_leaf=lambda x: isinstance(x, PartitionSpec),
         )
 
+    def abstract(self, path: str) -> jax.ShapeDtypeStruct:
+        """The array at `path` as a shape, dtype and sharding: drawable before it exists."""
+        for p in self.placements:
+            if p.path == path:
+                return jax.ShapeDtypeStruct(
+                    p.shape, p.dtype, sharding=NamedSharding(self.mesh, p.spec)
+                )
+        raise KeyError(f"no array at {path!r}; the layout has {[p.path for p in self.placements]}")
+
     def bytes_per_device(self) -> int:
         """Bytes each device holds for the whole tree (the largest share if uneven)."""
         return sum(p.bytes_per_device for p in self.placements)
