@@ -55,6 +55,25 @@ def test_every_chapter_page_and_notebook_download_exists(built_book: Path) -> No
         assert (built_book / "_sources" / "chapters" / f"{chapter.stem}.ipynb").exists()
 
 
+def test_citations_and_bibliography_share_one_style(built_book: Path) -> None:
+    """Cited as "Huang et al., 2019" in the text, listed under the same label."""
+    bibliography = (built_book / "book" / "references.html").read_text()
+    labels = re.findall(
+        r'<span class="label"><span class="fn-bracket">\[</span>(.*?)<', bibliography
+    )
+    assert labels and all(re.fullmatch(r"[^\d\[\]]+, \d{4}[a-z]?", label) for label in labels)
+    chapter = (built_book / "chapters" / f"{CHAPTERS[6].stem}.html").read_text()
+    assert "Huang <em>et al.</em>, 2019" in chapter
+    assert "Huang et al., 2019" in labels
+
+
+def test_reader_text_keeps_straight_quotes(built_book: Path) -> None:
+    """Table cells such as P('data', None) are code: no typographic quotes in any chapter."""
+    for chapter in CHAPTERS:
+        html = (built_book / "chapters" / f"{chapter.stem}.html").read_text()
+        assert not re.search("[\u2018\u2019\u201c\u201d]", html), chapter.stem
+
+
 def copy_of_the_book(destination: Path) -> Path:
     """This checkout's book, with only the first chapter (to stay quick), in a scratch folder."""
     copy_checkout(destination)

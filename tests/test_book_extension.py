@@ -156,4 +156,4 @@ def test_bibliography_labels_read_like_the_citations() -> None:
         "bibtex",
     )
     labels = [e.label for e in style.format_entries(entries.entries.values())]
-    assert labels == ["Austin and Douglas 2025", "Huang et al. 2019", "Xu 2021a", "Xu 2021b"]
+    assert labels == ["Austin and Douglas, 2025", "Huang et al., 2019", "Xu, 2021a", "Xu, 2021b"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 from pathlib import Path
@@ -52,6 +53,17 @@ def run(tmp_path_factory) -> dict:
 def test_keeps_the_last_k(run) -> None:
     assert run["checkpoints"].steps() == [6, 8]
     assert sorted(p.name for p in run["dir"].iterdir()) == ["6", "8"]
+
+
+def test_each_save_records_when_it_started_returned_and_was_written(run) -> None:
+    times = run["checkpoints"].times
+    assert sorted(times) == [2, 4, 6, 8]
+    for step, t in times.items():
+        assert t.started <= t.returned <= t.written, step
+        assert run["checkpoints"].blocked[step] == t.returned - t.started
+    # one save in flight: each is written before the next one returns
+    ordered = [times[s] for s in sorted(times)]
+    assert all(a.written <= b.returned for a, b in itertools.pairwise(ordered))
 
 
 def test_record_describes_the_run(run) -> None:

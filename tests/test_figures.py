@@ -17,6 +17,7 @@ from nnxscale.figures import (
     plot_collectives,
     plot_fsdp_timeline,
     plot_mesh,
+    plot_saves,
     plot_sharding,
     plot_shardings,
     plot_timeline,
@@ -138,3 +139,14 @@ def test_topology_places_each_device_in_its_process(mesh) -> None:
     texts = [t.get_text() for t in ax.texts]
     assert texts[0] == "process 0" and "device 0\ndata=0, model=0" in texts
     assert "device 7\ndata=3, model=1" in texts and "loads batch rows 8-15" in texts
+
+
+def test_saves_are_drawn_against_the_steps_they_overlap() -> None:
+    from nnxscale.checkpoint import SaveTimes
+
+    steps = {1: (0.0, 0.01), 2: (0.02, 0.03), 3: (0.03, 0.04)}
+    saves = {1: SaveTimes(0.01, 0.02, 0.035), 3: SaveTimes(0.04, 0.045, None)}
+    ax = plot_saves(steps, saves).axes[0]
+    widths = sorted(round(p.get_width(), 6) for p in ax.patches if p.get_width() > 0)
+    assert widths == [5.0, 10.0, 10.0, 10.0, 10.0, 15.0]  # 3 steps, 2 waits, 1 write, in ms
+    assert [t.get_text() for t in ax.texts] == ["1", "2", "3", "step 1"]

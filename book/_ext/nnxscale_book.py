@@ -299,7 +299,7 @@ def _docname(app: Sphinx, current: str, uri: str) -> str:
 
 
 def author_year_labels(app: Sphinx, config: object) -> None:
-    """Bibliography entries labelled as cited in the text: "Huang et al. 2019", not [HCB+19]."""
+    """Bibliography entries labelled as cited in the text: "Huang et al., 2019", not [HCB+19]."""
     from pybtex.plugin import register_plugin
     from pybtex.style.formatting.unsrt import Style as Unsorted
     from pybtex.style.labels import BaseLabelStyle
@@ -315,7 +315,7 @@ def author_year_labels(app: Sphinx, config: object) -> None:
                     if len(last) == 1
                     else (f"{last[0]} and {last[1]}" if len(last) == 2 else f"{last[0]} et al.")
                 )
-                labels.append(f"{names} {entry.fields.get('year', '')}".strip())
+                labels.append(f"{names}, {entry.fields.get('year', '')}".strip(", "))
             # the same authors and year twice: 2021a, 2021b, in bibliography order
             repeated = {label for label in labels if labels.count(label) > 1}
             seen: dict[str, int] = {}

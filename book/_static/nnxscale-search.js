@@ -11,6 +11,7 @@
       page.querySelectorAll(".math").forEach((e) => {
         e.textContent = e.textContent
           .replace(/\\[()[\]]|\$\$/g, "")
+          .replace(/\\frac\{([^{}]*)\}\{([^{}]*)\}/g, "($1)/($2)")
           .replace(/\\(?:mathrm|text|operatorname)\{([^}]*)\}/g, "$1")
           .replace(/\\(?:left|right|,|;|!|quad)/g, "")
           .replace(/\\cdot|\\times/g, "×")

@@ -247,6 +247,16 @@ def file_role(path: str) -> str:
     return "other"
 
 
+@dataclasses.dataclass
+class SaveTimes:
+    """When a save started, when it handed control back to training, and when its background
+    writes ended (`time.perf_counter()` seconds; `written` is None until then)."""
+
+    started: float
+    returned: float
+    written: float | None = None
+
+
 class Checkpoints:
     """A directory of train-state checkpoints, managed by Orbax: async saves, the last k kept."""
 
@@ -265,17 +275,22 @@ class Checkpoints:
                 "checkpoints there first (Checkpoints(directory).save(trainer))."
             )
         self.discarded = self.partial() if create else []
+        self.asynchronous = asynchronous
         options = ocp.CheckpointManagerOptions(
             max_to_keep=keep,
             enable_async_checkpointing=asynchronous,
             create=create,
             cleanup_tmp_directories=create,
+            async_options=ocp.AsyncOptions(post_finalization_callback=self._written)
+            if asynchronous
+            else None,
         )
         handlers = {"state": ocp.StandardCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()}
         self.manager = ocp.CheckpointManager(
             self.directory, options=options, item_handlers=handlers
         )
         self.blocked: dict[int, float] = {}
+        self.times: dict[int, SaveTimes] = {}
 
     def save(self, trainer: Trainer, data: Batches | None = None) -> float:
         """Start saving `trainer`'s state at its step; returns the seconds training waited."""
@@ -288,8 +303,16 @@ class Checkpoints:
                 meta=ocp.args.JsonSave(dataclasses.asdict(record)),
             ),
         )
-        self.blocked[record.step] = time.perf_counter() - start
+        returned = time.perf_counter()
+        self.blocked[record.step] = returned - start
+        self.times[record.step] = SaveTimes(
+            start, returned, None if self.asynchronous else returned
+        )
         return self.blocked[record.step]
+
+    def _written(self) -> None:
+        """Orbax's call once a save's files are committed: the one save in flight, the last."""
+        self.times[max(self.times)].written = time.perf_counter()
 
     def wait(self) -> float:
         """Block until every started save is on disk; returns the seconds waited."""

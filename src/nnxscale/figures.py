@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import jax
 import matplotlib.pyplot as plt
@@ -424,6 +425,76 @@ def plot_topology(starts: Sequence[Mapping]) -> Figure:
     ax.set_title(
         f"{len(starts)} processes on one host, one mesh {shape} over all their devices",
         fontsize=10,
+    )
+    fig.tight_layout()
+    return fig
+
+
+def plot_saves(steps: Mapping[int, tuple[float, float]], saves: Mapping[int, Any]) -> Figure:
+    """Training steps and asynchronous saves on one measured time axis (milliseconds).
+
+    `steps` maps a step number to its (start, end) times; `saves` maps a step to the times a
+    save of it started, handed control back, and had its files written (`Checkpoints.times`).
+    Training waits only while a save copies the arrays off the devices; the files are written
+    in the background while the next steps run.
+    """
+    origin = min(min(s for s, _ in steps.values()), *(t.started for t in saves.values()))
+
+    def ms(t: float) -> float:
+        return 1e3 * (t - origin)
+
+    fig, ax = plt.subplots(figsize=(10, 2.2))
+    for k, (start, end) in steps.items():
+        ax.add_patch(
+            plt.Rectangle(
+                (ms(start), -0.4), ms(end) - ms(start), 0.8, facecolor="C0", edgecolor="white"
+            )
+        )
+        ax.text(
+            (ms(start) + ms(end)) / 2,
+            0,
+            str(k),
+            ha="center",
+            va="center",
+            fontsize=8,
+            color="white",
+        )
+    for step, t in saves.items():
+        ax.add_patch(
+            plt.Rectangle(
+                (ms(t.started), -0.4),
+                ms(t.returned) - ms(t.started),
+                0.8,
+                facecolor="C3",
+                edgecolor="white",
+            )
+        )
+        if t.written is not None:
+            ax.add_patch(
+                plt.Rectangle(
+                    (ms(t.returned), 0.6),
+                    ms(t.written) - ms(t.returned),
+                    0.8,
+                    facecolor="C1",
+                    edgecolor="white",
+                )
+            )
+            ax.text(ms(t.returned) + 2, 1.0, f"step {step}", va="center", fontsize=8)
+    end = max([e for _, e in steps.values()] + [t.written or t.returned for t in saves.values()])
+    ax.set_xlim(0, ms(end) * 1.01)
+    ax.set_ylim(1.6, -0.6)
+    ax.set_yticks([0, 1], ["training", "writing files"])
+    ax.set_xlabel("milliseconds since the first step (measured)")
+    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in ("C0", "C3", "C1")]
+    labels = ["training step", "save: training waits", "save: written in the background"]
+    ax.legend(
+        handles,
+        labels,
+        ncols=3,
+        fontsize=8,
+        loc="upper center",
+        bbox_to_anchor=(0.5, -0.38),
+        frameon=False,
     )
     fig.tight_layout()
     return fig
