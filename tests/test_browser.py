@@ -277,6 +277,13 @@ OVERFLOWING = """() => {
         .map(el => el.tagName + '.' + el.className + ': ' + el.textContent.slice(0, 60));
 }"""
 """Elements reaching past the article's right edge, unless inside a box that scrolls or clips."""
+TABLE_HINTS = """() => [...document.querySelectorAll('.pst-scrollable-table-container')]
+    .filter(box => box.offsetParent !== null).map(box => {
+        const hint = box.previousElementSibling;
+        return [box.scrollWidth > box.clientWidth + 1,
+                !!hint && hint.classList.contains('nnxscale-scroll-hint') && !hint.hidden];
+    })"""
+"""For each table shown: whether it scrolls sideways, and whether a line above it says so."""
 WIDE_CODE = """() => [...document.querySelectorAll('.cell_input pre')]
     .filter(p => p.scrollWidth > p.clientWidth + 1).map(p => p.textContent.slice(0, 60))"""
 
@@ -289,11 +296,17 @@ def test_nothing_is_wider_than_the_page(browser, site: str, chapter: Path, width
     page.goto(f"{site}/chapters/{chapter.stem}.html", wait_until="networkidle")
     overflowing = page.evaluate(OVERFLOWING)
     wide_code = page.evaluate(WIDE_CODE)
+    tables = page.evaluate(TABLE_HINTS)
+    listings = page.eval_on_selector_all(
+        ".cell_output div.highlight-python pre", "ps => ps.map(p => getComputedStyle(p).whiteSpace)"
+    )
     if width < 1200:
         (SCREENSHOTS / "phone").mkdir(parents=True, exist_ok=True)
         page.screenshot(path=SCREENSHOTS / "phone" / f"{chapter.stem}.png", full_page=True)
     page.close()
     assert overflowing == []
+    assert all(scrolls == hinted for scrolls, hinted in tables), tables
+    assert set(listings) <= {"pre"}, "the library's source listings keep their lines whole"
     if width >= 1200:
         assert wide_code == [], "code cells wider than the book's 86 columns"
 

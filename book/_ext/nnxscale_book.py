@@ -363,6 +363,7 @@ def setup(app: Sphinx) -> dict[str, object]:
     app.connect("env-updated", glossary_terms_any_case)
     app.connect("doctree-resolved", number_figure_links)
     app.add_js_file("nnxscale-search.js")
+    app.add_js_file("nnxscale-tables.js")
     app.connect("doctree-resolved", defer_treescope)
     app.connect("env-get-outdated", outdated_chapters)
     app.connect("config-inited", use_local_mathjax)
