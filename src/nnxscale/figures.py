@@ -7,6 +7,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
+import matplotlib
 import matplotlib.pyplot as plt
 import numpy as np
 from jax.sharding import Mesh
@@ -38,6 +39,37 @@ def _text_colour(background: Sequence[float]) -> str:
     return "black" if 0.299 * red + 0.587 * green + 0.114 * blue > 0.55 else "white"
 
 
+def _box(
+    ax: Axes,
+    x: float,
+    y: float,
+    width: float,
+    height: float,
+    colour: object,
+    label: str = "",
+    fontsize: float = 8,
+    edgecolor: str = "white",
+    linewidth: float = 1.0,
+) -> None:
+    """A filled rectangle with its label centred in a colour that reads on it."""
+    ax.add_patch(
+        plt.Rectangle(
+            (x, y), width, height, facecolor=colour, edgecolor=edgecolor, linewidth=linewidth
+        )
+    )
+    if label:
+        rgba = matplotlib.colors.to_rgba(colour)
+        ax.text(
+            x + width / 2,
+            y + height / 2,
+            label,
+            ha="center",
+            va="center",
+            fontsize=fontsize,
+            color=_text_colour(rgba),
+        )
+
+
 def shard_blocks(array: jax.Array | jax.ShapeDtypeStruct) -> dict[tuple[int, ...], list[int]]:
     """Blocks (row0, row1, col0, col1) of a 1-D or 2-D array mapped to the devices holding
     them; a `jax.ShapeDtypeStruct` with a sharding works too (a layout not yet created)."""
@@ -61,22 +93,8 @@ def plot_sharding(
     rows, cols = (1, array.shape[0]) if len(array.shape) == 1 else array.shape
     total = len(array.sharding.device_set)
     for (r0, r1, c0, c1), ids in shard_blocks(array).items():
-        colour = _device_colour(ids[0], total)
-        ax.add_patch(
-            plt.Rectangle(
-                (c0, r0), c1 - c0, r1 - r0, facecolor=colour, edgecolor="black", linewidth=1.5
-            )
-        )
         label = "\n".join(",".join(str(i) for i in ids[k : k + 4]) for k in range(0, len(ids), 4))
-        ax.text(
-            (c0 + c1) / 2,
-            (r0 + r1) / 2,
-            label,
-            ha="center",
-            va="center",
-            fontsize=9,
-            color=_text_colour(colour),
-        )
+        _box(ax, c0, r0, c1 - c0, r1 - r0, _device_colour(ids[0], total), label, 9, "black", 1.5)
     ax.set_xlim(0, cols)
     ax.set_ylim(rows, 0)
     ax.set_xticks([])
@@ -110,17 +128,7 @@ def plot_mesh(mesh: Mesh, ax: Axes | None = None) -> Axes:
     names = mesh.axis_names if mesh.devices.ndim == 2 else ("", mesh.axis_names[0])
     ax = ax or plt.subplots(figsize=(0.7 * ids.shape[1] + 1.2, 0.7 * ids.shape[0] + 0.8))[1]
     for (r, c), device in np.ndenumerate(ids):
-        colour = _device_colour(int(device), ids.size)
-        ax.add_patch(plt.Rectangle((c, r), 1, 1, facecolor=colour, edgecolor="black"))
-        ax.text(
-            c + 0.5,
-            r + 0.5,
-            str(device),
-            ha="center",
-            va="center",
-            fontsize=10,
-            color=_text_colour(colour),
-        )
+        _box(ax, c, r, 1, 1, _device_colour(int(device), ids.size), str(device), 10, "black")
     ax.set_xlim(0, ids.shape[1])
     ax.set_ylim(ids.shape[0], 0)
     ax.set_xticks([])
@@ -169,17 +177,8 @@ def plot_collectives(blocks: np.ndarray, outputs: Mapping[str, np.ndarray]) -> F
             for k, source in enumerate(row):
                 summed = not isinstance(source, int)
                 colour = (0.6, 0.6, 0.6, 1.0) if summed else _device_colour(source, devices)
-                ax.add_patch(plt.Rectangle((k, d), 1, 0.85, facecolor=colour, edgecolor="white"))
-                if len(row) <= 8 or summed:
-                    ax.text(
-                        k + 0.5,
-                        d + 0.43,
-                        str(source),
-                        ha="center",
-                        va="center",
-                        fontsize=8,
-                        color=_text_colour(colour),
-                    )
+                label = str(source) if len(row) <= 8 or summed else ""
+                _box(ax, k, d, 1, 0.85, colour, label)
         ax.set_xlim(0, max(len(row) for row in sources))
         ax.set_ylim(devices, 0)
         ax.set_xticks([])
@@ -213,26 +212,9 @@ def plot_timeline(timeline: Timeline, ax: Axes | None = None, makespan: float = 
         for task, start, end in runs:
             forward = task.kind == FORWARD
             colour = colours(2 * (task.micro % 10) + (1 if forward else 0))
-            ax.add_patch(
-                plt.Rectangle(
-                    (start, d - 0.42),
-                    end - start,
-                    0.84,
-                    facecolor=colour,
-                    edgecolor="white",
-                    linewidth=0.8,
-                )
-            )
             label = f"{task.micro}" if schedule.virtual == 1 else f"{task.micro}$_{task.stage}$"
-            ax.text(
-                (start + end) / 2,
-                d,
-                label,
-                ha="center",
-                va="center",
-                fontsize=8 if end - start >= 0.9 else 6.5,
-                color="black",
-            )
+            size = 8 if end - start >= 0.9 else 6.5
+            _box(ax, start, d - 0.42, end - start, 0.84, colour, label, size, linewidth=0.8)
     ax.set_xlim(0, max(makespan, timeline.makespan))
     ax.set_ylim(schedule.devices - 0.5, -0.5)
     ax.set_yticks(range(schedule.devices), [f"device {d}" for d in range(schedule.devices)])
@@ -326,14 +308,7 @@ def plot_fsdp_timeline(layer_bytes: Sequence[int], gather_again: bool) -> Figure
     colours = {"all-gather": "C0", "reduce-scatter": "C3", "forward": "C2", "backward": "C1"}
 
     def box(row: str, start: float, width: float, kind: str, label: str) -> None:
-        ax.add_patch(
-            plt.Rectangle(
-                (start, rows[row] - 0.4), width, 0.8, facecolor=colours[kind], edgecolor="white"
-            )
-        )
-        ax.text(
-            start + width / 2, rows[row], label, ha="center", va="center", fontsize=8, color="white"
-        )
+        _box(ax, start, rows[row] - 0.4, width, 0.8, colours[kind], label)
 
     for i, size in enumerate(layer_bytes):
         box("communication", t, size / unit, "all-gather", f"AG{i}")
@@ -398,24 +373,12 @@ def plot_topology(starts: Sequence[Mapping]) -> Figure:
                 fontsize=8,
             )
         for k, device in enumerate(event["device_ids"]):
-            colour = _device_colour(int(device), grid.size)
-            ax.add_patch(
-                plt.Rectangle(
-                    (x + 0.3 + 1.2 * k, 0.55), 1.0, 1.1, facecolor=colour, edgecolor="black"
-                )
-            )
             where = ", ".join(
                 f"{a}={i}" for a, i in zip(axes_names, position[int(device)], strict=True)
             )
-            ax.text(
-                x + 0.8 + 1.2 * k,
-                1.1,
-                f"device {device}\n{where}",
-                ha="center",
-                va="center",
-                fontsize=7,
-                color=_text_colour(colour),
-            )
+            colour = _device_colour(int(device), grid.size)
+            label = f"device {device}\n{where}"
+            _box(ax, x + 0.3 + 1.2 * k, 0.55, 1.0, 1.1, colour, label, 7, "black")
         x += width + 0.3
     ax.set_xlim(-0.1, x)
     ax.set_ylim(2.3, -0.1)
@@ -445,40 +408,11 @@ def plot_saves(steps: Mapping[int, tuple[float, float]], saves: Mapping[int, Any
 
     fig, ax = plt.subplots(figsize=(10, 2.2))
     for k, (start, end) in steps.items():
-        ax.add_patch(
-            plt.Rectangle(
-                (ms(start), -0.4), ms(end) - ms(start), 0.8, facecolor="C0", edgecolor="white"
-            )
-        )
-        ax.text(
-            (ms(start) + ms(end)) / 2,
-            0,
-            str(k),
-            ha="center",
-            va="center",
-            fontsize=8,
-            color="white",
-        )
+        _box(ax, ms(start), -0.4, ms(end) - ms(start), 0.8, "C0", str(k))
     for step, t in saves.items():
-        ax.add_patch(
-            plt.Rectangle(
-                (ms(t.started), -0.4),
-                ms(t.returned) - ms(t.started),
-                0.8,
-                facecolor="C3",
-                edgecolor="white",
-            )
-        )
+        _box(ax, ms(t.started), -0.4, ms(t.returned) - ms(t.started), 0.8, "C3")
         if t.written is not None:
-            ax.add_patch(
-                plt.Rectangle(
-                    (ms(t.returned), 0.6),
-                    ms(t.written) - ms(t.returned),
-                    0.8,
-                    facecolor="C1",
-                    edgecolor="white",
-                )
-            )
+            _box(ax, ms(t.returned), 0.6, ms(t.written) - ms(t.returned), 0.8, "C1")
             ax.text(ms(t.returned) + 2, 1.0, f"step {step}", va="center", fontsize=8)
     end = max([e for _, e in steps.values()] + [t.written or t.returned for t in saves.values()])
     ax.set_xlim(0, ms(end) * 1.01)
