@@ -23,6 +23,12 @@ def test_table_aligns_numbers_and_escapes_pipes() -> None:
     assert "| 819,399 |" in table(["sent"], [[819399.0]])
 
 
+def test_numbers_among_text_keep_their_own_digits() -> None:
+    assert table(["field", "value"], [["decay", 0.9], ["name", "FSDP"]]).splitlines()[2] == (
+        "| decay | 0.9 |"
+    )
+
+
 def test_each_column_has_one_format() -> None:
     text = table(
         ["share of state", "gap", "ms", "relative"],

@@ -26,11 +26,13 @@ PERCENT_WORDS = ("share", "relative", "bubble", "idle", "fraction")
 
 
 def _column_format(header: str, values: list[object]) -> Callable[[object], str]:
-    """One format for a whole column, so its numbers line up: exact integers with thousands
-    separators; floats as percentages (shares), in scientific notation (tiny differences) or
-    with one number of decimals chosen by the column's largest value."""
+    """One format for a whole column of numbers, so they line up: exact integers with
+    thousands separators; floats as percentages (shares), in scientific notation (tiny
+    differences) or with one number of decimals chosen by the column's largest value."""
     floats = [abs(v) for v in values if isinstance(v, float)]
-    if any(word in header.lower() for word in PERCENT_WORDS) and floats and max(floats) <= 10:
+    if not all(isinstance(v, int | float) and not isinstance(v, bool) for v in values):
+        float_format = "{:,.4g}"  # a column of mixed values: each number as it is
+    elif any(word in header.lower() for word in PERCENT_WORDS) and floats and max(floats) <= 10:
         float_format = "{:.1%}"
     elif all(v == int(v) or v >= 1000 for v in floats):
         float_format = "{:,.0f}"
