@@ -60,7 +60,6 @@ def test_each_save_records_when_it_started_returned_and_was_written(run) -> None
     assert sorted(times) == [2, 4, 6, 8]
     for step, t in times.items():
         assert t.started <= t.returned <= t.written, step
-        assert run["checkpoints"].blocked[step] == t.returned - t.started
     # one save in flight: each is written before the next one returns
     ordered = [times[s] for s in sorted(times)]
     assert all(a.written <= b.returned for a, b in itertools.pairwise(ordered))

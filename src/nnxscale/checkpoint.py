@@ -289,7 +289,6 @@ class Checkpoints:
         self.manager = ocp.CheckpointManager(
             self.directory, options=options, item_handlers=handlers
         )
-        self.blocked: dict[int, float] = {}
         self.times: dict[int, SaveTimes] = {}
 
     def save(self, trainer: Trainer, data: Batches | None = None) -> float:
@@ -304,11 +303,15 @@ class Checkpoints:
             ),
         )
         returned = time.perf_counter()
-        self.blocked[record.step] = returned - start
         self.times[record.step] = SaveTimes(
             start, returned, None if self.asynchronous else returned
         )
-        return self.blocked[record.step]
+        return returned - start
+
+    @property
+    def blocked(self) -> dict[int, float]:
+        """Seconds training waited for each save, by step."""
+        return {step: t.returned - t.started for step, t in self.times.items()}
 
     def _written(self) -> None:
         """Orbax's call once a save's files are committed: the one save in flight, the last."""
