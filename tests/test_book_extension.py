@@ -157,3 +157,10 @@ def test_bibliography_labels_read_like_the_citations() -> None:
     )
     labels = [e.label for e in style.format_entries(entries.entries.values())]
     assert labels == ["Austin and Douglas, 2025", "Huang et al., 2019", "Xu, 2021a", "Xu, 2021b"]
+
+
+def test_outside_a_git_checkout_paths_stay_unlinked(tmp_path: Path) -> None:
+    (tmp_path / "benchmarks").mkdir()
+    (tmp_path / "benchmarks" / "fsdp.py").write_text("")
+    assert ext.link_target("benchmarks/fsdp.py", fake_app(tmp_path)) is None
+    assert ext.link_target("jax.jit", fake_app(tmp_path)) == ext.JAX + "jax.jit.html"

@@ -12,6 +12,7 @@ affected chapter is executed again. `jupyter-book build .` is then never stale.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib
 import importlib.util
@@ -241,27 +242,24 @@ def link_target(text: str, app: Sphinx) -> str | None:
         if name.startswith(prefix) and (found := _library_source(name.removeprefix(prefix))):
             path, line = found
             return f"{repository}/blob/{branch}/{path}" + (f"#L{line}" if line else "")
-    tracked = _tracked_files(app.srcdir)
+    tracked = _tracked_files(str(app.srcdir))
     if "/" in text and text.rstrip("/") in tracked:
         kind = "tree" if tracked[text.rstrip("/")] else "blob"
         return f"{repository}/{kind}/{branch}/{text.rstrip('/')}"
     return None
 
 
-_TRACKED: dict[str, dict[str, bool]] = {}
-
-
-def _tracked_files(root: str | Path) -> dict[str, bool]:
-    """Files and folders git tracks under `root`, each mapped to whether it is a folder."""
-    key = str(root)
-    if key not in _TRACKED:
-        result = subprocess.run(
-            ["git", "ls-files"], cwd=root, capture_output=True, text=True, check=False
-        )
-        files = result.stdout.split() if result.returncode == 0 else []
-        folders = {str(parent) for f in files for parent in Path(f).parents if str(parent) != "."}
-        _TRACKED[key] = {**dict.fromkeys(files, False), **dict.fromkeys(folders, True)}
-    return _TRACKED[key]
+@functools.cache
+def _tracked_files(root: str) -> dict[str, bool]:
+    """Files and folders git tracks under `root`, each mapped to whether it is a folder (none
+    outside a git checkout, or without git: the names then stay unlinked)."""
+    try:
+        result = subprocess.run(["git", "ls-files"], cwd=root, capture_output=True, text=True)
+    except OSError:
+        return {}
+    files = result.stdout.split() if result.returncode == 0 else []
+    folders = {str(parent) for f in files for parent in Path(f).parents if str(parent) != "."}
+    return {**dict.fromkeys(files, False), **dict.fromkeys(folders, True)}
 
 
 def link_literals(app: Sphinx, doctree: nodes.document) -> None:
