@@ -55,7 +55,7 @@ def place(values: Any, shardings: Any) -> Any:
     only the shards its own devices hold (the values must be the same in every process).
     Arrays already on their sharding are kept as they are."""
     if jax.process_count() == 1:
-        return jax.device_put(values, shardings)
+        return jax.tree.map(_put, values, shardings)
 
     def one(x: jax.Array, sharding: Sharding) -> jax.Array:
         if isinstance(x, jax.Array) and x.sharding == sharding:
@@ -67,6 +67,15 @@ def place(values: Any, shardings: Any) -> Any:
         return jax.random.wrap_key_data(placed, impl=jax.random.key_impl(x))
 
     return jax.tree.map(one, values, shardings)
+
+
+def _put(x: Any, sharding: Sharding) -> Any:
+    """`x` on `sharding`. An array on one device goes through host memory: JAX would otherwise
+    compile a resharding program for every shape and sharding, which costs more than the copy."""
+    if not isinstance(x, jax.Array) or len(x.sharding.device_set) > 1 or x.sharding == sharding:
+        return jax.device_put(x, sharding)
+    placed = jax.device_put(np.asarray(key_data(x)), sharding)
+    return jax.random.wrap_key_data(placed, impl=jax.random.key_impl(x)) if is_key(x) else placed
 
 
 def largest_difference(a: Any, b: Any) -> float:
