@@ -164,3 +164,31 @@ def test_random_key_state_is_placed_like_any_scalar() -> None:
     layout = resolve(nnx.state(nnx.Rngs(dropout=0)), FSDP, mesh_for((8, 1)))
     assert layout["dropout/key"].dtype == "key<fry>"
     assert layout["dropout/key"].bytes_per_device == 8 and tuple(layout["dropout/key"].spec) == ()
+
+
+def test_zero_stages_keep_their_roles_whole():
+    import optax
+
+    from nnxscale.rules import HSDP, ZERO1, ZERO2, role_of
+    from nnxscale.train import TrainState
+
+    assert role_of("optimizer/opt_state/0/mu/embed") == "optimizer"
+    assert role_of("ema/embed") == "optimizer" and role_of("model/embed") == "params"
+    state = nnx.state(abstract(lambda: TrainState(create(TINY), optax.adamw(1e-3))))
+    for rules in (ZERO1, ZERO2):
+        layout = resolve(state, rules, mesh_for((8, 1)))
+        for p in layout.placements:
+            if p.path.startswith("model/"):
+                assert p.pieces == 1 and "keeps params whole" in p.reason
+            elif p.path.startswith(("ema/", "optimizer/")) and len(p.shape) > 1:
+                assert p.pieces == 8, p.path
+    grads = resolve(params(), ZERO2, mesh_for((8, 1)), role="grads")
+    assert all(p.pieces == 8 for p in grads.placements if len(p.shape) > 1)
+    grads = resolve(params(), ZERO1, mesh_for((8, 1)), role="grads")
+    assert all(p.pieces == 1 for p in grads.placements)
+    assert HSDP.logical["batch"] == (("replica", "data"),)
+
+
+def test_unknown_roles_are_named():
+    with pytest.raises(RuleError, match="names roles \\['weights'\\]"):
+        FSDP.replace(whole=("weights",))

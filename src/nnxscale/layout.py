@@ -13,7 +13,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from nnxscale.display import table
-from nnxscale.rules import RuleError, Rules
+from nnxscale.rules import RuleError, Rules, role_of
 from nnxscale.trees import flat
 
 
@@ -100,10 +100,13 @@ def _place(
     logical: tuple[str | None, ...] | None,
     rules: Rules,
     mesh: Mesh,
+    role: str,
 ) -> tuple[list[tuple[str, ...] | None], str, bool]:
     """Mesh axes for each dimension, the reason, and whether the rules could not be followed."""
     chosen: list[tuple[str, ...] | None] = [None] * len(shape)
     notes: list[str] = []
+    if role in rules.whole:
+        return chosen, f"{rules.name} keeps {role} whole", False
     if logical is not None and rules.annotations != "ignore":
         chosen, notes = _place_logical(path, shape, logical, rules, mesh)
         if rules.auto_axis is None or rules.annotations == "use":
@@ -249,11 +252,15 @@ class ReplicationWarning(UserWarning):
     """Arrays that a rule set meant to split are held whole by every device."""
 
 
-def resolve(tree: Any, rules: Rules, mesh: Mesh, *, warn_bytes: int = WARN_BYTES) -> Layout:
+def resolve(
+    tree: Any, rules: Rules, mesh: Mesh, *, warn_bytes: int = WARN_BYTES, role: str | None = None
+) -> Layout:
     """Place every array of `tree` (an nnx State, a module's state, or any pytree) on `mesh`.
 
     Logical names come from a matching path rule, else the variable's `out_sharding`
     annotation; arrays with neither are replicated, or split by the automatic FSDP rule.
+    Arrays whose role (`role`, else `nnxscale.rules.role_of(path)`) is in `rules.whole` stay
+    whole.
     Arrays of at least `warn_bytes` that the rules could not split raise a
     `ReplicationWarning` naming them (`Layout.replicated()` lists every whole array).
     """
@@ -270,7 +277,7 @@ def resolve(tree: Any, rules: Rules, mesh: Mesh, *, warn_bytes: int = WARN_BYTES
         shape = tuple(int(d) for d in np.shape(leaf))
         dtype = leaf.dtype  # a NumPy dtype, or a JAX key type (which has an itemsize too)
         logical = _logical_names(leaf, path, rules)
-        chosen, reason, fallback = _place(path, shape, logical, rules, mesh)
+        chosen, reason, fallback = _place(path, shape, logical, rules, mesh, role or role_of(path))
         spec = PartitionSpec(*(_spec_entry(axes) for axes in chosen))
         splits = [_axes_size(mesh, a) if a else 1 for a in chosen]
         shard = tuple(s // k for s, k in zip(shape, splits, strict=True))

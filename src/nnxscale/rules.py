@@ -30,6 +30,16 @@ class RuleError(ValueError):
 ANNOTATIONS = ("use", "ignore", "fill")
 """How `auto_axis` meets arrays that carry logical names: see `Rules`."""
 
+ROLES = ("params", "grads", "optimizer")
+"""What an array of the training step is: a parameter, a gradient, or optimizer state (the
+optimizer's moments and the EMA). ZeRO stages are rule sets that keep some roles whole."""
+
+
+def role_of(path: str) -> str:
+    """The role of a train state array from its path: optimizer state under `optimizer/` and
+    `ema/`, a parameter (or a step counter, RNG key) anywhere else."""
+    return "optimizer" if path.startswith(("optimizer/", "ema/")) else "params"
+
 
 @dataclasses.dataclass(frozen=True)
 class Rules:
@@ -44,6 +54,8 @@ class Rules:
     `"use"` places them by `logical` only, `"ignore"` treats them as unnamed, `"fill"` places
     them by `logical` and then splits their largest still-whole dimension over `auto_axis`.
     `strict` turns a dimension that should be split and cannot be into an error.
+    `whole` lists roles (`ROLES`) the rules do not split: ZeRO-1 is FSDP's rules with
+    parameters and gradients whole, ZeRO-2 with parameters whole.
     `axes` and `sizes` describe the mesh (`strategy_mesh` builds it): an axis of size -1 takes
     the devices the others leave, one of size k takes the largest count up to k that divides
     what is left.
@@ -57,8 +69,15 @@ class Rules:
     strict: bool = False
     axes: tuple[str, ...] = ("data", "model")
     sizes: tuple[int, ...] = (-1, 1)
+    whole: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
+        unknown_roles = sorted(set(self.whole) - set(ROLES))
+        if unknown_roles:
+            raise RuleError(
+                f"rule set {self.name!r}: whole={self.whole!r} names roles {unknown_roles}; "
+                f"use some of {', '.join(map(repr, ROLES))}."
+            )
         if self.annotations not in ANNOTATIONS:
             raise RuleError(
                 f"rule set {self.name!r}: annotations={self.annotations!r}; use one of "
@@ -181,11 +200,34 @@ PP_FSDP = Rules(
 )
 """Pipeline stages over `stage`, and FSDP over `fsdp` inside each stage."""
 
-STRATEGIES = {rules.name: rules for rules in (DP, FSDP, TP, FSDP_TP, PP, PP_FSDP)}
+ZERO1 = FSDP.replace(name="ZeRO-1", whole=("params", "grads"))
+"""ZeRO stage 1: the optimizer state (AdamW's moments, the EMA) split as FSDP splits it;
+parameters and gradients whole on every device, as in DP."""
+
+ZERO2 = FSDP.replace(name="ZeRO-2", whole=("params",))
+"""ZeRO stage 2: the optimizer state and the gradients split; parameters whole. (Stage 3,
+everything split, is FSDP.)"""
+
+REPLICA = "replica"
+"""The mesh axis across groups of devices (hosts) in hybrid sharding."""
+
+HSDP = Rules(
+    "HSDP",
+    {**FSDP.logical, "batch": ((REPLICA, "data"),)},
+    axes=(REPLICA, "data"),
+    sizes=(2, -1),
+)
+"""Hybrid sharding: FSDP over `data` inside each group of devices (a host), DP over
+`replica` across groups. The batch is split over both; every group holds a whole copy of
+the state, so the slow links between groups carry only a gradient all-reduce."""
+
+STRATEGIES = {
+    rules.name: rules for rules in (DP, ZERO1, ZERO2, FSDP, TP, FSDP_TP, HSDP, PP, PP_FSDP)
+}
 """Every rule set of the book, with the mesh axes and sizes each is meant for."""
 
-RULE_SETS = {name: rules for name, rules in STRATEGIES.items() if rules.axes == DP.axes}
-"""The strategies on a `(data, model)` mesh, which chapters 2 to 4 compare on one model."""
+RULE_SETS = {rules.name: rules for rules in (DP, FSDP, TP, FSDP_TP)}
+"""The four strategies chapters 2 to 4 compare on one model, on a `(data, model)` mesh."""
 
 
 def compare(*rule_sets: Rules) -> Markdown:
