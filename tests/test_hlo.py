@@ -8,7 +8,7 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from nnxscale.hlo import collectives, result_types, shape_bytes
+from nnxscale.hlo import collectives, dot_flops, result_types, shape_bytes
 from nnxscale.mesh import make_mesh
 
 N = 8
@@ -234,3 +234,22 @@ ENTRY %main (a: f32[8]) -> f32[8] {
 }
 """
     assert result_types(text) == {"bf16": 1, "f32": 2}
+
+
+def test_dot_flops_count_every_product_and_loop_iteration():
+    a, b = jnp.ones((8, 16)), jnp.ones((16, 4))
+    program = jax.jit(lambda a, b: a @ b).lower(a, b).compile()
+    assert dot_flops(program) == 2 * 8 * 4 * 16
+
+    def looped(a, b):
+        return jax.lax.fori_loop(0, 5, lambda i, x: x @ (b @ b.T), a)
+
+    program = jax.jit(looped).lower(a, b).compile()
+    per_iteration = 2 * 16 * 16 * 4 + 2 * 8 * 16 * 16
+    assert dot_flops(program) in (5 * per_iteration, 2 * 16 * 16 * 4 + 5 * 2 * 8 * 16 * 16)
+
+
+def test_a_collective_keeps_its_result_shape(ring, vector):
+    program = jax.jit(lambda x: jnp.sum(x)).lower(vector).compile()
+    (found,) = collectives(program).collectives
+    assert found.shape.startswith("f32[]")

@@ -206,6 +206,8 @@ class Collective:
     groups: tuple[tuple[int, ...], ...]
     executions: int
     sends: bool = True
+    shape: str = ""
+    """The HLO shape of its result, e.g. `f32[16,32,64]{2,1,0}` (what the array is)."""
 
     @property
     def group_size(self) -> int:
@@ -278,40 +280,17 @@ class CollectiveReport:
         return f"CollectiveReport({parts or 'no collectives'})"
 
 
-def collectives(program: object) -> CollectiveReport:
-    """Collectives of a compiled program (a `jax.stages.Compiled` or its `as_text()`).
-
-    A collective inside a while loop (a scan) counts once per iteration, using the trip count
-    XLA records on the loop (a loop without one counts once); an async start/done pair counts
-    once; a collective in a branch of a conditional counts as if its branch ran.
-    """
-    text = program if isinstance(program, str) else program.as_text()
+def _walk(text: str) -> Iterator[tuple[str, _Instruction, int, list[_Instruction]]]:
+    """Every instruction a call of the program runs, with how many times it runs: once per
+    loop iteration (the trip count XLA records on a while loop; a loop without one counts
+    once), branches of a conditional as if they ran. Yields (computation, instruction,
+    executions, the computation's instructions)."""
     computations, entry = _computations(text)
-    partitions = re.search(r"num_partitions=(\d+)", text)
-    num_partitions = int(partitions.group(1)) if partitions else 1
-    found: dict[tuple[str, str], Collective] = {}
 
-    def visit(name: str, executions: int, path: tuple[str, ...]) -> None:
+    def visit(name: str, executions: int, path: tuple[str, ...]):
         instructions = computations.get(name, [])
-        done_shapes = {
-            _first_operand(i.operands): i.shape for i in instructions if i.opcode.endswith("-done")
-        }
         for ins in instructions:
-            kind = ins.opcode.removesuffix("-start")
-            if kind in KINDS and not ins.opcode.endswith("-done"):
-                shape = done_shapes.get(ins.name, ins.shape)
-                groups = _replica_groups(ins.attributes, num_partitions)
-                key = (name, ins.name)
-                previous = found.get(key)
-                found[key] = Collective(
-                    kind=kind,
-                    name=ins.name,
-                    computation=name,
-                    result_bytes=shape_bytes(shape),
-                    groups=groups,
-                    executions=executions + (previous.executions if previous else 0),
-                    sends=_sends(kind, ins.attributes),
-                )
+            yield name, ins, executions, instructions
             if ins.opcode.endswith("-done"):
                 continue
             trip = _TRIP_COUNT.search(ins.attributes)
@@ -322,7 +301,65 @@ def collectives(program: object) -> CollectiveReport:
                 if callee in path:
                     continue
                 times = int(trip.group(1)) if trip and role in ("body", "condition") else 1
-                visit(callee, executions * times, (*path, callee))
+                yield from visit(callee, executions * times, (*path, callee))
 
-    visit(entry, 1, (entry,))
+    yield from visit(entry, 1, (entry,))
+
+
+def collectives(program: object) -> CollectiveReport:
+    """Collectives of a compiled program (a `jax.stages.Compiled` or its `as_text()`).
+
+    A collective inside a while loop (a scan) counts once per iteration, using the trip count
+    XLA records on the loop (a loop without one counts once); an async start/done pair counts
+    once; a collective in a branch of a conditional counts as if its branch ran.
+    """
+    text = program if isinstance(program, str) else program.as_text()
+    partitions = re.search(r"num_partitions=(\d+)", text)
+    num_partitions = int(partitions.group(1)) if partitions else 1
+    found: dict[tuple[str, str], Collective] = {}
+    for name, ins, executions, instructions in _walk(text):
+        kind = ins.opcode.removesuffix("-start")
+        if kind not in KINDS or ins.opcode.endswith("-done"):
+            continue
+        done = [
+            i.shape
+            for i in instructions
+            if i.opcode.endswith("-done") and _first_operand(i.operands) == ins.name
+        ]
+        key = (name, ins.name)
+        previous = found.get(key)
+        found[key] = Collective(
+            kind=kind,
+            name=ins.name,
+            computation=name,
+            result_bytes=shape_bytes(done[0] if done else ins.shape),
+            groups=_replica_groups(ins.attributes, num_partitions),
+            executions=executions + (previous.executions if previous else 0),
+            sends=_sends(kind, ins.attributes),
+            shape=done[0] if done else ins.shape,
+        )
     return CollectiveReport(list(found.values()), num_partitions)
+
+
+_CONTRACTING = re.compile(r"lhs_contracting_dims=\{([\d,]*)\}")
+
+
+def dot_flops(program: object) -> int:
+    """FLOPs of the matrix products a compiled program runs per call: 2 x the output's
+    elements x the contracted size, for every dot, loop trip counts included.
+
+    Elementwise work is left out, which is what the 6 N T formula counts; XLA's own
+    `cost_analysis()` adds it, and counts a loop's body once whatever its trip count.
+    """
+    text = program if isinstance(program, str) else program.as_text()
+    total = 0
+    for _, ins, executions, instructions in _walk(text):
+        if ins.opcode != "dot":
+            continue
+        shapes = {i.name: i.shape for i in instructions}
+        lhs = shapes.get(_first_operand(ins.operands)) or ins.operands
+        dims = _ints(_ARRAY.findall(lhs)[0][1])
+        contracted = math.prod(dims[i] for i in _ints(_CONTRACTING.search(ins.attributes)[1]))
+        out = _ARRAY.findall(ins.shape)[0][1]
+        total += executions * 2 * math.prod(_ints(out)) * contracted
+    return total

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -39,3 +40,11 @@ class CompiledMemory:
             alias=stats.alias_size_in_bytes,
             peak=stats.peak_memory_in_bytes,
         )
+
+
+def saved_bytes(fn: Callable[..., Any], *args: Any) -> int:
+    """Bytes JAX's autodiff keeps from the forward pass of `fn` at `args` for its backward pass:
+    the residuals `jax.vjp` closes over, arguments among them, found by tracing alone. It is
+    what a compiler is asked to hold, before it fuses, recomputes or frees any of it."""
+    backward = jax.eval_shape(lambda *a: jax.vjp(fn, *a)[1], *args)  # shapes only: no compute
+    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(backward))
