@@ -24,6 +24,9 @@ _HOMES = {
         "FSDP",
         "TP",
         "FSDP_TP",
+        "ZERO1",
+        "ZERO2",
+        "HSDP",
         "PP",
         "PP_FSDP",
         "STRATEGIES",
@@ -48,13 +51,16 @@ _HOMES = {
     "model": ("Config", "Transformer", "TINY", "BENCH", "create", "count_params"),
     "data": ("Batches", "book_batches"),
     "hlo": ("collectives",),
-    "memory": ("CompiledMemory", "device_bytes"),
+    "memory": ("CompiledMemory", "device_bytes", "saved_bytes"),
+    "costs": ("plan", "step_cost", "HARDWARE", "Hardware"),
 }
 _WHERE = {name: module for module, names in _HOMES.items() for name in names}
 _MODULES = (
+    "calculator",
     "checkpoint",
     "cli",
     "comm",
+    "costs",
     "data",
     "devices",
     "display",
