@@ -395,3 +395,80 @@ def test_search_snippets_are_chapter_text(browser, site: str) -> None:
     for text in snippets:
         for chrome in ("\\frac", "\\(", "$$", "Open issue", ".ipynb", "Contents", "Ctrl+K"):
             assert chrome not in text, (chrome, text)
+
+
+CALCULATOR = """(inputs) => {
+    const root = document.querySelector('.nnxscale-calc');
+    const form = root.querySelector('form');
+    return inputs.map((input) => {
+        for (const [name, value] of Object.entries(input)) {
+            const element = form.elements[name];
+            if (element.type === 'checkbox') element.checked = value;
+            else element.value = String(value);
+        }
+        form.dispatchEvent(new Event('input'));
+        return Object.fromEntries([...root.querySelectorAll('[data-field]')]
+            .filter((cell) => cell.dataset.value !== '')
+            .map((cell) => [cell.dataset.field, Number(cell.dataset.value)]));
+    });
+}"""
+
+
+def calculator_grid() -> list[dict]:
+    """Every strategy on every device, for three models and clusters: 144 inputs."""
+    from nnxscale import costs
+    from nnxscale.model import TINY
+
+    clusters = [
+        (costs.SEVEN_B, 8, 64, 4096, True),
+        (costs.SEVENTY_B, 256, 1024, 4096, True),
+        (TINY.replace(mlp=192, vocab=100), 6, 12, 32, False),
+    ]
+    return [
+        {
+            **{k: getattr(cfg, k) for k in ("vocab", "embed", "heads", "head_dim", "mlp")},
+            "layers": cfg.layers,
+            "seq": seq, "batch": batch, "devices": devices, "dtype": cfg.compute_dtype,
+            "hardware": hardware, "strategy": strategy, "remat": remat,
+        }
+        for cfg, devices, batch, seq, remat in clusters
+        for hardware in costs.HARDWARE
+        for strategy in costs.STRATEGY_NAMES
+    ]  # fmt: skip
+
+
+def test_the_calculator_computes_what_the_library_computes(browser, site: str) -> None:
+    """The page's calculator, driven through its form over 144 inputs, gives the library's
+    numbers for memory by component, bytes sent, FLOPs and times (to 1e-9, relative)."""
+    from nnxscale import costs
+    from nnxscale.model import Config
+
+    page, problems = open_page(browser, f"{site}/chapters/11_choosing_a_strategy.html")
+    grid = calculator_grid()
+    shown = page.evaluate(CALCULATOR, grid)
+    page.close()
+    assert problems == []
+    assert len(grid) >= 100
+    for inputs, got in zip(grid, shown, strict=True):
+        cfg = Config(
+            vocab=inputs["vocab"], embed=inputs["embed"], heads=inputs["heads"],
+            head_dim=inputs["head_dim"], mlp=inputs["mlp"], layers=inputs["layers"],
+            max_len=inputs["seq"], compute_dtype=inputs["dtype"],
+        )  # fmt: skip
+        cost = costs.step_cost(
+            cfg, inputs["strategy"], inputs["devices"], costs.HARDWARE[inputs["hardware"]],
+            inputs["batch"], inputs["seq"], remat=inputs["remat"],
+        )  # fmt: skip
+        expected = {
+            "parameter count": costs.counts(cfg).total,
+            **cost.memory,
+            "memory per device": cost.total_memory,
+            "bytes sent per device": cost.sent,
+            "FLOPs per device": cost.flops,
+            "compute time": cost.compute_time,
+            "communication time": cost.comm_time,
+            "predicted step time": cost.step_time,
+        }
+        assert set(got) == set(expected), inputs
+        for field, value in expected.items():
+            assert got[field] == pytest.approx(value, rel=1e-9, abs=1e-12), (field, inputs)
