@@ -88,7 +88,7 @@ def widget(
         choice("hardware", "hardware", list(costs.HARDWARE), hardware),
         choice("strategy", "strategy", list(costs.STRATEGY_NAMES), strategy),
         f'<label class="nnxscale-calc-check"><input name="remat" type="checkbox"'
-        f'{" checked" if remat else ""}>remat</label>',
+        f"{' checked' if remat else ''}>remat</label>",
     ]
     script = resources.files("nnxscale").joinpath("calculator.js").read_text()
     data = json.dumps(spec()).replace("</", "<\\/")
