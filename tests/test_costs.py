@@ -69,10 +69,14 @@ def test_the_ledger_equals_the_placed_state(name: str) -> None:
 
 
 def test_matmul_flops_equal_the_compiled_dots() -> None:
-    for cfg, remat in ((TINY, False), (TINY.replace(scan_layers=True, remat=True), True)):
-        run = trainer("DP", 1, cfg)
-        program = run.compile(BATCHES(0, run.batch))
-        assert dot_flops(program) == costs.step_flops(cfg, 8, 32, remat=remat)
+    from nnxscale.train import compile_all
+
+    configs = (TINY, TINY.replace(scan_layers=True, remat=True))
+    runs = [trainer("DP", 1, cfg) for cfg in configs]
+    programs = compile_all([(run, BATCHES(0, run.batch)) for run in runs])
+    assert programs[0] is runs[0].compiled and programs[1] is runs[1].compiled
+    for cfg, program in zip(configs, programs, strict=True):
+        assert dot_flops(program) == costs.step_flops(cfg, 8, 32, remat=cfg.remat)
 
 
 def test_dp_and_zero_bytes_against_the_compiled_steps() -> None:
@@ -229,15 +233,7 @@ def test_hsdp_sends_only_a_shard_across_replicas() -> None:
         pytest.skip("needs 8 devices")
     run = trainer("HSDP", 8)
     report = collectives(run.compile(BATCHES(0, run.batch)))
-    mesh = run.layout.mesh
-    across = sum(
-        c.executions * c.array_bytes
-        for c in report.collectives
-        if c.mesh_axes(mesh) == ("replica",)
-    )
-    inside = sum(
-        c.executions * c.array_bytes
-        for c in report.collectives
-        if c.kind == "all-reduce" and c.mesh_axes(mesh) == ("data",)
-    )
-    assert across * mesh.shape["data"] == inside
+    groups = report.by_axes(run.layout.mesh)
+    across = groups[("all-reduce", ("replica",))]
+    inside = groups[("all-reduce", ("data",))]
+    assert across * run.layout.mesh.shape["data"] == inside

@@ -31,7 +31,7 @@ def spec() -> dict[str, Any]:
             name: getattr(costs, name)
             for name in ("STATE_BYTES", "OPTIMIZER_COPIES", "LOGIT_BYTES", "LATENCY", "EFFICIENCY")
         },
-        "dtypes": {"float32": 4, "bfloat16": 2},
+        "dtypes": costs.DTYPE_BYTES,
     }
 
 

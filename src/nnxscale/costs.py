@@ -23,6 +23,9 @@ keeps them whatever the compute dtype."""
 OPTIMIZER_COPIES = 3
 """Optimizer state per parameter, in parameter-sized copies: AdamW's two moments and the EMA."""
 
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+"""Bytes per activation value for each compute dtype a `Config` may name."""
+
 LOGIT_BYTES = 4
 """Bytes per logit: the model computes its logits, and the loss, in float32."""
 
@@ -145,7 +148,7 @@ def activation_bytes(
     tokens: every layer's (or, with remat, every layer's input and one layer rebuilt at a
     time), plus the final norm's input and output and the float32 logits."""
     tokens = sequences * seq
-    width = _dtype_bytes(cfg.compute_dtype)
+    width = DTYPE_BYTES[cfg.compute_dtype]
     layer = tokens * layer_values(cfg, seq, model) * width
     head = tokens * (2 * cfg.embed * width + cfg.vocab / model * LOGIT_BYTES)
     if remat:
@@ -211,7 +214,7 @@ def transfers(
     full = c.total * STATE_BYTES
     d = mesh.get("data", 1)
     per_replica = sequences * seq / (d * mesh.get("replica", 1))
-    activation = per_replica * cfg.embed * _dtype_bytes(cfg.compute_dtype)
+    activation = per_replica * cfg.embed * DTYPE_BYTES[cfg.compute_dtype]
     tp = held(cfg, "model", mesh) * STATE_BYTES
     layers = cfg.layers
     if strategy == "DP":
@@ -239,7 +242,7 @@ def transfers(
             Transfer("reduce-scatter", "data", tp, layers),
         ]
     stages = mesh.get("stage", 1)
-    boundaries = 2 * sequences * seq * cfg.embed * _dtype_bytes(cfg.compute_dtype)
+    boundaries = 2 * sequences * seq * cfg.embed * DTYPE_BYTES[cfg.compute_dtype]
     return [Transfer("collective-permute", "stage", boundaries if stages > 1 else 0, 2)]
 
 
@@ -487,10 +490,6 @@ def fsdp_crossover(cfg: Config, hardware: Hardware, efficiency: float = EFFICIEN
     """
     c = counts(cfg)
     return 3 * c.total * STATE_BYTES * hardware.flops * efficiency / (6 * c.matmul * hardware.fast)
-
-
-def _dtype_bytes(name: str) -> int:
-    return {"float32": 4, "bfloat16": 2, "float16": 2}[name]
 
 
 def _check_strategy(strategy: str) -> None:

@@ -265,6 +265,14 @@ class CollectiveReport:
         """Bytes each device sends in collectives (of `kind`) per call, by the ring formulas."""
         return sum(c.sent_bytes for c in self._select(kind))
 
+    def by_axes(self, mesh: Mesh) -> dict[tuple[str, tuple[str, ...] | None], int]:
+        """Array bytes per call for each (kind, mesh axes it runs over): where the bytes go."""
+        groups: dict[tuple[str, tuple[str, ...] | None], int] = {}
+        for c in self.collectives:
+            key = (c.kind, c.mesh_axes(mesh))
+            groups[key] = groups.get(key, 0) + c.executions * c.array_bytes
+        return groups
+
     def summary(self) -> dict[str, tuple[int, float]]:
         """(executions, bytes sent per device) for each kind that occurs."""
         return {k: (self.count(k), self.bytes(k)) for k in KINDS if self.count(k)}
@@ -317,26 +325,29 @@ def collectives(program: object) -> CollectiveReport:
     partitions = re.search(r"num_partitions=(\d+)", text)
     num_partitions = int(partitions.group(1)) if partitions else 1
     found: dict[tuple[str, str], Collective] = {}
+    done_shapes: dict[str, dict[str, str]] = {}  # per computation: start name -> done shape
     for name, ins, executions, instructions in _walk(text):
         kind = ins.opcode.removesuffix("-start")
         if kind not in KINDS or ins.opcode.endswith("-done"):
             continue
-        done = [
-            i.shape
-            for i in instructions
-            if i.opcode.endswith("-done") and _first_operand(i.operands) == ins.name
-        ]
+        if name not in done_shapes:
+            done_shapes[name] = {
+                _first_operand(i.operands): i.shape
+                for i in instructions
+                if i.opcode.endswith("-done")
+            }
+        shape = done_shapes[name].get(ins.name, ins.shape)
         key = (name, ins.name)
         previous = found.get(key)
         found[key] = Collective(
             kind=kind,
             name=ins.name,
             computation=name,
-            result_bytes=shape_bytes(done[0] if done else ins.shape),
+            result_bytes=shape_bytes(shape),
             groups=_replica_groups(ins.attributes, num_partitions),
             executions=executions + (previous.executions if previous else 0),
             sends=_sends(kind, ins.attributes),
-            shape=done[0] if done else ins.shape,
+            shape=shape,
         )
     return CollectiveReport(list(found.values()), num_partitions)
 

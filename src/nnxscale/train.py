@@ -13,6 +13,7 @@ import dataclasses
 import json
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from typing import Any
 
@@ -429,6 +430,13 @@ def gradient_shardings(graphdef: nnx.GraphDef, values: nnx.State, layout: Layout
         return None
     params = nnx.state(nnx.merge(graphdef, values).model, nnx.Param)
     return resolve(params, layout.rules, layout.mesh, role="grads").shardings()
+
+
+def compile_all(jobs: list[tuple[Trainer, Any]]) -> list[jax.stages.Compiled]:
+    """Each trainer's step compiled for its batch, two at a time: XLA compiles in native
+    threads, so a second compilation overlaps the first one's Python tracing."""
+    with ThreadPoolExecutor(2) as pool:
+        return list(pool.map(lambda job: job[0].compile(job[1]), jobs))
 
 
 def _under_mesh(fn: Callable[..., jax.Array], mesh: Mesh) -> Callable[..., jax.Array]:
