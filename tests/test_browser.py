@@ -94,6 +94,20 @@ def open_page(browser, url: str):
     return page, problems
 
 
+def save_screenshot(page, path: Path, *, full_page: bool = False) -> None:
+    """A screenshot for a person to look at (no test reads it). Chromium's capture sometimes
+    fails under load ("Unable to capture screenshot") on a page that loaded cleanly: try
+    again, up to three times, before letting the error through."""
+    for attempt in range(3):
+        try:
+            page.screenshot(path=path, full_page=full_page)
+            return
+        except Exception as error:
+            if "Unable to capture screenshot" not in str(error) or attempt == 2:
+                raise
+            page.wait_for_timeout(500)
+
+
 def test_every_built_page_is_checked(built_book: Path) -> None:
     built = {
         str(p.relative_to(built_book))
@@ -110,7 +124,7 @@ def test_page_loads_cleanly_with_its_images(browser, site: str, path: str) -> No
         "Array.from(document.images).map(i => [i.src, i.complete && i.naturalWidth > 0])"
     )
     SCREENSHOTS.mkdir(parents=True, exist_ok=True)
-    page.screenshot(path=SCREENSHOTS / (path.replace("/", "_")[:-5] + ".png"), full_page=True)
+    save_screenshot(page, SCREENSHOTS / (path.replace("/", "_")[:-5] + ".png"), full_page=True)
     page.close()
     assert problems == []
     assert [src for src, ok in images if not ok] == []
@@ -211,7 +225,7 @@ def test_header_has_one_search_box_and_toggles_that_work(
         assert page.evaluate(SIDEBAR_BOX, secondary) is True, "the page outline opens"
     else:
         assert page.evaluate(SIDEBAR_BOX, secondary) is True
-    page.screenshot(path=SCREENSHOTS / f"navigation-{width}-{mode}.png")
+    save_screenshot(page, SCREENSHOTS / f"navigation-{width}-{mode}.png")
     page.close()
 
 
@@ -302,7 +316,7 @@ def test_nothing_is_wider_than_the_page(browser, site: str, chapter: Path, width
     )
     if width < 1200:
         (SCREENSHOTS / "phone").mkdir(parents=True, exist_ok=True)
-        page.screenshot(path=SCREENSHOTS / "phone" / f"{chapter.stem}.png", full_page=True)
+        save_screenshot(page, SCREENSHOTS / "phone" / f"{chapter.stem}.png", full_page=True)
     page.close()
     assert overflowing == []
     assert all(scrolls == hinted for scrolls, hinted in tables), tables
