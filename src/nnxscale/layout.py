@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import math
 import warnings
@@ -317,3 +319,32 @@ def _warn_if_whole(whole: list[Placement], layout: Layout, warn_bytes: int) -> N
         ),
         stacklevel=3,
     )
+
+
+_ACTIVE: contextvars.ContextVar[tuple[Rules, Mesh] | None] = contextvars.ContextVar(
+    "nnxscale_activation_rules", default=None
+)
+
+
+@contextlib.contextmanager
+def activation_rules(rules: Rules, mesh: Mesh):
+    """While active, `constrain` places activations by `rules` on `mesh` (the Trainer enters
+    it while it traces a step, so one rule set places parameters and activations alike)."""
+    token = _ACTIVE.set((rules, mesh))
+    try:
+        yield
+    finally:
+        _ACTIVE.reset(token)
+
+
+def constrain(x: jax.Array, names: tuple[str | None, ...]) -> jax.Array:
+    """`x` constrained to the layout its logical names get under the active rules (names the
+    rules do not know stay whole); `x` itself when no rules are active."""
+    active = _ACTIVE.get()
+    if active is None:
+        return x
+    rules, mesh = active
+    known = tuple(n if n is not None and n in rules.logical else None for n in names)
+    chosen, _ = _place_logical("activation", tuple(x.shape), known, rules, mesh)
+    spec = PartitionSpec(*(_spec_entry(axes) for axes in chosen))
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))

@@ -16,6 +16,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from nnxscale.layout import constrain
+
 LOGICAL_AXES = ("vocab", "embed", "heads", "head_dim", "mlp", "length", "layers")
 
 
@@ -89,9 +91,10 @@ class Attention(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         dtype = x.dtype
-        q = jnp.einsum("ble,ehd->blhd", x, self.query[...].astype(dtype))
-        k = jnp.einsum("ble,ehd->blhd", x, self.key[...].astype(dtype))
-        v = jnp.einsum("ble,ehd->blhd", x, self.value[...].astype(dtype))
+        heads = ("batch", "length", "heads", "head_dim")
+        q = constrain(jnp.einsum("ble,ehd->blhd", x, self.query[...].astype(dtype)), heads)
+        k = constrain(jnp.einsum("ble,ehd->blhd", x, self.key[...].astype(dtype)), heads)
+        v = constrain(jnp.einsum("ble,ehd->blhd", x, self.value[...].astype(dtype)), heads)
         scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(self.head_dim)
         length = x.shape[1]
         causal = jnp.tril(jnp.ones((length, length), dtype=bool))
@@ -109,7 +112,9 @@ class MLP(nnx.Module):
         self.down = _param(rngs, (cfg.mlp, cfg.embed), ("mlp", "embed"), cfg.mlp)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        hidden = jax.nn.gelu(x @ self.up[...].astype(x.dtype))
+        hidden = constrain(
+            jax.nn.gelu(x @ self.up[...].astype(x.dtype)), ("batch", "length", "mlp")
+        )
         return hidden @ self.down[...].astype(x.dtype)
 
 
@@ -125,8 +130,9 @@ class Block(nnx.Module):
 
     def __call__(self, x: jax.Array, dropout_key: jax.Array | None) -> jax.Array:
         keys = (None, None) if dropout_key is None else tuple(jax.random.split(dropout_key))
-        x = x + self._drop(self.attention(self.attention_norm(x)), keys[0])
-        return x + self._drop(self.mlp(self.mlp_norm(x)), keys[1])
+        embed = ("batch", "length", "embed")
+        x = constrain(x + self._drop(self.attention(self.attention_norm(x)), keys[0]), embed)
+        return constrain(x + self._drop(self.mlp(self.mlp_norm(x)), keys[1]), embed)
 
     def _drop(self, x: jax.Array, key: jax.Array | None) -> jax.Array:
         return self.dropout(x, deterministic=key is None, rngs=key)
@@ -173,7 +179,7 @@ class Transformer(nnx.Module):
         if tokens.shape[1] > cfg.max_len:
             raise ValueError(f"sequence length {tokens.shape[1]} exceeds max_len {cfg.max_len}")
         x = self.embed[...][tokens] + self.position[...][: tokens.shape[1]]
-        return x.astype(jnp.dtype(cfg.compute_dtype))
+        return constrain(x.astype(jnp.dtype(cfg.compute_dtype)), ("batch", "length", "embed"))
 
     def layer_keys(self, dropout_key: jax.Array) -> jax.Array:
         """One dropout key per layer, from the step's key."""

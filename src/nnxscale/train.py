@@ -26,7 +26,7 @@ from jax.sharding import PartitionSpec as P
 
 from nnxscale.data import check_batch_splits
 from nnxscale.init import compile_init
-from nnxscale.layout import Layout, resolve
+from nnxscale.layout import Layout, activation_rules, resolve
 from nnxscale.losses import GradsFn, LossFn, next_token_loss
 from nnxscale.rules import Rules
 from nnxscale.trees import flat, is_key, place
@@ -408,7 +408,10 @@ class Trainer:
         """
         if self.compiled is None:
             check_batch(batch, self.batch, self.micro_batches)
-            with jax.set_mesh(self.layout.mesh):
+            with (
+                jax.set_mesh(self.layout.mesh),
+                activation_rules(self.layout.rules, self.layout.mesh),
+            ):
                 lowered = self.step.lower(self.state, batch)
                 self.compiled = lowered.compile(compiler_options=self.compiler_options)
         return self.compiled
