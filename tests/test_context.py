@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from nnxscale import context
+import nnxscale as nx
+from nnxscale import context, layout
 from nnxscale.hlo import collectives
 from nnxscale.mesh import make_mesh
 
@@ -31,7 +33,8 @@ def test_ring_attention_equals_dense_attention(devices, layout, causal) -> None:
         return jax.nn.dot_product_attention(q, k, v, is_causal=causal)
 
     def ring(q, k, v):
-        return context.attention_in_order(q, k, v, mesh, layout=layout, causal=causal)
+        ring = context.Ring("context", devices, layout)
+        return context.attention_in_order(q, k, v, mesh, ring, causal=causal)
 
     # float32 sums of at most 64 terms in a different order: a few ulps of values near 1
     assert jnp.abs(jax.jit(ring)(q, k, v) - dense(q, k, v)).max() < 1e-5
@@ -46,8 +49,9 @@ def test_ring_attention_equals_dense_attention(devices, layout, causal) -> None:
 def test_keys_and_values_travel_n_minus_one_hops() -> None:
     mesh = make_mesh((8,), ("context",))
     split = NamedSharding(mesh, P(None, "context"))
-    q, k, v, _ = (jax.device_put(context.to_layout(x, 8, "zigzag"), split) for x in arrays())
-    program = jax.jit(lambda q, k, v: context.ring_attention(q, k, v, mesh))
+    ring = context.Ring("context", 8)
+    q, k, v, _ = (jax.device_put(context.to_layout(x, ring), split) for x in arrays())
+    program = jax.jit(lambda q, k, v: context.ring_attention(q, k, v, mesh, ring))
     report = collectives(program.lower(q, k, v).compile())
     block = B * (T // 8) * H * D * 4
     assert report.count() == report.count("collective-permute") == 2 * 7
@@ -55,24 +59,85 @@ def test_keys_and_values_travel_n_minus_one_hops() -> None:
 
 
 def test_zigzag_gives_every_device_the_same_causal_work() -> None:
-    assert len(set(context.causal_work(8, 64, "zigzag"))) == 1
-    contiguous = context.causal_work(8, 64, "contiguous")
+    assert len(set(context.Ring("context", 8).causal_work(64))) == 1
+    contiguous = context.Ring("context", 8, "contiguous").causal_work(64)
     assert contiguous == sorted(contiguous) and contiguous[-1] > 10 * contiguous[0]
 
 
 def test_layout_round_trip() -> None:
     x = jnp.arange(2 * 32).reshape(2, 32)
-    for layout in context.LAYOUTS:
-        moved = context.to_layout(x, 4, layout)
-        assert (context.from_layout(moved, 4, layout) == x).all()
-    assert context.to_layout(x, 4, "zigzag")[0, :4].tolist() == [0, 1, 2, 3]
-    assert context.to_layout(x, 4, "zigzag")[0, 4:8].tolist() == [28, 29, 30, 31]
+    for name in context.LAYOUTS:
+        ring = context.Ring("context", 4, name)
+        assert (context.from_layout(context.to_layout(x, ring), ring) == x).all()
+    zigzag = context.to_layout(x, context.Ring("context", 4))
+    assert zigzag[0, :4].tolist() == [0, 1, 2, 3]
+    assert zigzag[0, 4:8].tolist() == [28, 29, 30, 31]
 
 
 def test_a_length_the_axis_cannot_split_is_named() -> None:
     mesh = make_mesh((4,), ("context",), devices=jax.devices()[:4])
     q = jnp.ones((1, 20, 2, 8))
     with pytest.raises(context.ContextError, match="20 tokens cannot be cut into 8 equal"):
-        context.attention_in_order(q, q, q, mesh)
+        context.attention_in_order(q, q, q, mesh, context.Ring("context", 4))
     with pytest.raises(context.ContextError, match="unknown layout 'striped'"):
-        context.chunk_order(4, "striped")
+        context.Ring("context", 4, "striped")
+    with pytest.raises(context.ContextError, match="splits it over None"):
+        short = q[:, :16]
+        context.ring_attention(short, short, short, mesh, context.Ring("context", 4), spec=P())
+
+
+def cp_trainer(rules, devices=None, cfg=None):
+    cfg = cfg or nx.TINY.replace(dropout=0.0)
+    mesh = nx.strategy_mesh(rules, devices)
+    fast = nx.train.FAST_COMPILE
+    return nx.Trainer.create(
+        nx.create(cfg), nx.adamw(), rules, mesh, dropout=False, compiler_options=fast
+    )
+
+
+@pytest.mark.parametrize("rules", [nx.CP, nx.FSDP_CP], ids=["CP", "FSDP+CP"])
+def test_the_transformer_trains_with_context_parallelism_as_on_one_device(rules) -> None:
+    batches = nx.book_batches(8)
+    reference = cp_trainer(nx.DP, 1).train(batches, 4)
+    trainer = cp_trainer(rules)
+    assert trainer.layout.mesh.shape["context"] > 1
+    # float32 losses of the same sums taken in another order: a few ulps of values near 4
+    assert np.max(np.abs(np.array(trainer.train(batches, 4)) - reference)) < 1e-5
+
+
+def test_the_step_passes_keys_and_values_around_the_ring_and_nothing_else_large() -> None:
+    trainer = cp_trainer(nx.CP)
+    n, cfg = trainer.layout.mesh.shape["context"], trainer.model().cfg
+    batch = nx.book_batches(8)(0, trainer.batch)
+    report = collectives(trainer.compile(batch))
+    block = 8 * (cfg.max_len // n) * cfg.heads * cfg.head_dim * 4
+    permutes = [c for c in report.collectives if c.kind == "collective-permute"]
+    # forward: N-1 hops of K and V per layer; backward: their cotangents travel back
+    assert len(permutes) == 2 * cfg.layers * (n - 1) * 2
+    assert {c.result_bytes for c in permutes} == {block}
+
+
+def test_a_sequence_the_context_axis_cannot_split_is_named() -> None:
+    trainer = cp_trainer(nx.CP, cfg=nx.TINY.replace(dropout=0.0, max_len=40))
+    batches = nx.Batches(np.arange(2000) % 100, batch_size=8, length=20)
+    with pytest.raises(nx.ContextError, match="20 tokens cannot be cut into 16 equal"):
+        trainer.compile(batches(0, trainer.batch))
+
+
+def test_activation_constraints_apply_only_under_rules_and_outside_shard_map() -> None:
+    mesh = nx.strategy_mesh(nx.CP)
+    x = jnp.ones((2, 16, 8))
+    assert layout.constrain(x, ("batch", "length", "embed")) is x
+    with nx.activation_rules(nx.CP, mesh):
+        spec, _ = layout.activation_spec(x.shape, ("batch", "length", "unknown"))
+        assert spec == P("data", "context", None)
+        assert layout.activation_axis("length") == ("context", 8)
+        assert layout.activation_axis("embed") is None
+
+        def body(x):
+            assert layout.activation_spec(x.shape, ("batch", "length", "embed")) is None
+            return x
+
+        jax.shard_map(body, mesh=mesh, in_specs=P(), out_specs=P())(x)
+        with nx.activation_rules(None):
+            assert layout.constrain(x, ("batch", "length", "embed")) is x

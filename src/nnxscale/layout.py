@@ -327,24 +327,57 @@ _ACTIVE: contextvars.ContextVar[tuple[Rules, Mesh] | None] = contextvars.Context
 
 
 @contextlib.contextmanager
-def activation_rules(rules: Rules, mesh: Mesh):
+def activation_rules(rules: Rules | None, mesh: Mesh | None = None):
     """While active, `constrain` places activations by `rules` on `mesh` (the Trainer enters
-    it while it traces a step, so one rule set places parameters and activations alike)."""
-    token = _ACTIVE.set((rules, mesh))
+    it while it traces a step, so one rule set places parameters and activations alike);
+    `activation_rules(None)` turns the constraints off."""
+    token = _ACTIVE.set(None if rules is None else (rules, mesh))
     try:
         yield
     finally:
         _ACTIVE.reset(token)
 
 
-def constrain(x: jax.Array, names: tuple[str | None, ...]) -> jax.Array:
-    """`x` constrained to the layout its logical names get under the active rules (names the
-    rules do not know stay whole); `x` itself when no rules are active."""
-    active = _ACTIVE.get()
+def _active() -> tuple[Rules, Mesh] | None:
+    """The active rules and mesh; none inside `jax.shard_map`, where each device's program
+    holds its own pieces and places nothing."""
+    if jax.sharding.get_abstract_mesh().manual_axes:
+        return None
+    return _ACTIVE.get()
+
+
+def activation_spec(
+    shape: tuple[int, ...], names: tuple[str | None, ...]
+) -> tuple[PartitionSpec, Mesh] | None:
+    """The partition spec the active rules give an activation of `shape` with logical `names`
+    (names the rules do not know stay whole), and the mesh; None when no rules are active."""
+    active = _active()
     if active is None:
-        return x
+        return None
     rules, mesh = active
     known = tuple(n if n is not None and n in rules.logical else None for n in names)
-    chosen, _ = _place_logical("activation", tuple(x.shape), known, rules, mesh)
-    spec = PartitionSpec(*(_spec_entry(axes) for axes in chosen))
+    chosen, _ = _place_logical("activation", tuple(shape), known, rules, mesh)
+    return PartitionSpec(*(_spec_entry(axes) for axes in chosen)), mesh
+
+
+def activation_axis(name: str) -> tuple[str, int] | None:
+    """The mesh axis (and its size, above 1) that the active rules split logical axis `name`
+    of activations over, if any: how the model finds its context-parallel axis."""
+    active = _active()
+    if active is None or not active[0].logical.get(name):
+        return None
+    rules, mesh = active
+    first = rules.candidates(name, "activation")[0]
+    if len(first) != 1 or first[0] not in mesh.shape or mesh.shape[first[0]] == 1:
+        return None
+    return first[0], mesh.shape[first[0]]
+
+
+def constrain(x: jax.Array, names: tuple[str | None, ...]) -> jax.Array:
+    """`x` constrained to the layout its logical names get under the active rules; `x`
+    itself when no rules are active."""
+    placed = activation_spec(x.shape, names)
+    if placed is None:
+        return x
+    spec, mesh = placed
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))

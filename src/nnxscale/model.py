@@ -16,9 +16,24 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from nnxscale.layout import constrain
+from nnxscale.context import context_split, from_layout, ring_attention, to_layout
+from nnxscale.layout import activation_spec, constrain
 
 LOGICAL_AXES = ("vocab", "embed", "heads", "head_dim", "mlp", "length", "layers")
+
+HEADS = ("batch", "length", "heads", "head_dim")
+"""Logical names of queries, keys and values (and the attention's output before projection)."""
+
+TOKENS = ("batch", "length", "embed")
+"""Logical names of the input of attention and of the MLP: under sequence parallelism,
+where the residual stream's sequence is gathered whole again."""
+
+HIDDEN = ("batch", "length", "mlp")
+"""Logical names of the MLP's hidden activations."""
+
+RESIDUAL = ("batch", "residual_length", "embed")
+"""Logical names of the residual stream: the embeddings, each block's output, and the norms
+and dropout between them (Megatron's sequence parallelism splits `residual_length`)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,17 +106,27 @@ class Attention(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         dtype = x.dtype
-        heads = ("batch", "length", "heads", "head_dim")
-        q = constrain(jnp.einsum("ble,ehd->blhd", x, self.query[...].astype(dtype)), heads)
-        k = constrain(jnp.einsum("ble,ehd->blhd", x, self.key[...].astype(dtype)), heads)
-        v = constrain(jnp.einsum("ble,ehd->blhd", x, self.value[...].astype(dtype)), heads)
+        x = constrain(x, TOKENS)
+        q = constrain(jnp.einsum("ble,ehd->blhd", x, self.query[...].astype(dtype)), HEADS)
+        k = constrain(jnp.einsum("ble,ehd->blhd", x, self.key[...].astype(dtype)), HEADS)
+        v = constrain(jnp.einsum("ble,ehd->blhd", x, self.value[...].astype(dtype)), HEADS)
+        ring = context_split(x.shape[1])
+        if ring is None:
+            context = self.dense(q, k, v)
+        else:
+            spec, mesh = activation_spec(q.shape, HEADS)
+            context = ring_attention(q, k, v, mesh, ring, spec=spec)
+        return jnp.einsum("blhd,hde->ble", context, self.out[...].astype(dtype))
+
+    def dense(self, q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+        """Causal attention with the whole score matrix (batch, heads, length, length)."""
+        dtype = q.dtype
         scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(self.head_dim)
-        length = x.shape[1]
+        length = q.shape[1]
         causal = jnp.tril(jnp.ones((length, length), dtype=bool))
         scores = jnp.where(causal, scores.astype(jnp.float32), -1e30)
         weights = jax.nn.softmax(scores, axis=-1).astype(dtype)
-        context = jnp.einsum("bhqk,bkhd->bqhd", weights, v)
-        return jnp.einsum("blhd,hde->ble", context, self.out[...].astype(dtype))
+        return jnp.einsum("bhqk,bkhd->bqhd", weights, v)
 
 
 class MLP(nnx.Module):
@@ -112,9 +137,8 @@ class MLP(nnx.Module):
         self.down = _param(rngs, (cfg.mlp, cfg.embed), ("mlp", "embed"), cfg.mlp)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        hidden = constrain(
-            jax.nn.gelu(x @ self.up[...].astype(x.dtype)), ("batch", "length", "mlp")
-        )
+        x = constrain(x, TOKENS)
+        hidden = constrain(jax.nn.gelu(x @ self.up[...].astype(x.dtype)), HIDDEN)
         return hidden @ self.down[...].astype(x.dtype)
 
 
@@ -130,9 +154,8 @@ class Block(nnx.Module):
 
     def __call__(self, x: jax.Array, dropout_key: jax.Array | None) -> jax.Array:
         keys = (None, None) if dropout_key is None else tuple(jax.random.split(dropout_key))
-        embed = ("batch", "length", "embed")
-        x = constrain(x + self._drop(self.attention(self.attention_norm(x)), keys[0]), embed)
-        return constrain(x + self._drop(self.mlp(self.mlp_norm(x)), keys[1]), embed)
+        x = constrain(x + self._drop(self.attention(self.attention_norm(x)), keys[0]), RESIDUAL)
+        return constrain(x + self._drop(self.mlp(self.mlp_norm(x)), keys[1]), RESIDUAL)
 
     def _drop(self, x: jax.Array, key: jax.Array | None) -> jax.Array:
         return self.dropout(x, deterministic=key is None, rngs=key)
@@ -174,20 +197,28 @@ class Transformer(nnx.Module):
         return self.unembed(self.run_blocks(self.embed_tokens(tokens), keys))
 
     def embed_tokens(self, tokens: jax.Array) -> jax.Array:
-        """The blocks' input: token plus position embeddings, in the compute dtype."""
+        """The blocks' input: token plus position embeddings, in the compute dtype. Under
+        context parallelism the sequence is put in the zig-zag layout here, once."""
         cfg = self.cfg
-        if tokens.shape[1] > cfg.max_len:
-            raise ValueError(f"sequence length {tokens.shape[1]} exceeds max_len {cfg.max_len}")
-        x = self.embed[...][tokens] + self.position[...][: tokens.shape[1]]
-        return constrain(x.astype(jnp.dtype(cfg.compute_dtype)), ("batch", "length", "embed"))
+        length = tokens.shape[1]
+        if length > cfg.max_len:
+            raise ValueError(f"sequence length {length} exceeds max_len {cfg.max_len}")
+        where = jnp.arange(length)
+        split = context_split(length)
+        if split is not None:
+            tokens, where = to_layout(tokens, split), jnp.asarray(split.order(length))
+        x = self.embed[...][tokens] + self.position[...][where]
+        return constrain(x.astype(jnp.dtype(cfg.compute_dtype)), RESIDUAL)
 
     def layer_keys(self, dropout_key: jax.Array) -> jax.Array:
         """One dropout key per layer, from the step's key."""
         return jax.random.split(dropout_key, self.cfg.layers)
 
     def unembed(self, x: jax.Array) -> jax.Array:
-        """Float32 logits from the blocks' output: final norm, then the output head."""
-        x = self.final_norm(x)
+        """Float32 logits from the blocks' output: final norm, then the output head (the
+        sequence back in its natural order under context parallelism)."""
+        split = context_split(x.shape[1])
+        x = self.final_norm(x if split is None else from_layout(x, split))
         head = self.head[...].astype(x.dtype)
         return jnp.einsum("ble,ev->blv", x, head).astype(jnp.float32)
 

@@ -221,8 +221,36 @@ HSDP = Rules(
 `replica` across groups. The batch is split over both; every group holds a whole copy of
 the state, so the slow links between groups carry only a gradient all-reduce."""
 
+SP = TP.replace(name="TP+SP", logical={**TP.logical, "residual_length": ("model",)})
+"""Tensor parallelism with Megatron's sequence parallelism: the residual stream (norms,
+dropout, residual adds) split along its sequence over `model` too, so each layer's
+all-reduces become an all-gather before and a reduce-scatter after each split region."""
+
+CONTEXT = "context"
+"""The mesh axis context parallelism splits every sequence over."""
+
+_SEQUENCE = {"length": (CONTEXT,), "residual_length": (CONTEXT,)}
+
+CP = Rules(
+    "CP",
+    {**_REPLICATED, **_ACTIVATIONS, **_SEQUENCE},
+    axes=("data", CONTEXT),
+    sizes=(1, -1),
+)
+"""Context parallelism: every activation split along its sequence over `context` (ring
+attention passes keys and values around it); parameters replicated, as in DP."""
+
+FSDP_CP = Rules(
+    "FSDP+CP",
+    {**FSDP.logical, **_SEQUENCE},
+    axes=("data", CONTEXT),
+    sizes=(-1, 2),
+)
+"""FSDP over `data` (parameters and batch) and context parallelism over `context`."""
+
 STRATEGIES = {
-    rules.name: rules for rules in (DP, ZERO1, ZERO2, FSDP, TP, FSDP_TP, HSDP, PP, PP_FSDP)
+    rules.name: rules
+    for rules in (DP, ZERO1, ZERO2, FSDP, TP, FSDP_TP, HSDP, PP, PP_FSDP, SP, CP, FSDP_CP)
 }
 """Every rule set of the book, with the mesh axes and sizes each is meant for."""
 
