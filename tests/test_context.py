@@ -10,7 +10,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import nnxscale as nx
-from nnxscale import context, layout
+from nnxscale import context, costs, layout
 from nnxscale.hlo import collectives
 from nnxscale.mesh import make_mesh
 
@@ -141,3 +141,55 @@ def test_activation_constraints_apply_only_under_rules_and_outside_shard_map() -
         jax.shard_map(body, mesh=mesh, in_specs=P(), out_specs=P())(x)
         with nx.activation_rules(None):
             assert layout.constrain(x, ("batch", "length", "embed")) is x
+
+
+def test_sequence_parallelism_gathers_the_residual_stream_and_trains_as_tp() -> None:
+    batches = nx.book_batches(8)
+    tp, sp = cp_trainer(nx.TP), cp_trainer(nx.SP)
+    tp_step, sp_step = nx.train.compile_all([(t, batches(0, t.batch)) for t in (tp, sp)])
+    mesh, cfg = sp.layout.mesh, sp.model().cfg
+    stream = f"f32[{8 // mesh.shape['data']},32,{cfg.embed}]"
+    gathered = [
+        c
+        for c in collectives(sp_step).collectives
+        if c.kind == "all-gather" and c.shape.startswith(stream)
+    ]
+    assert all(c.mesh_axes(mesh) == ("model",) for c in gathered)
+    # forward before attention and the MLP, backward again for the weights' gradients
+    assert len(gathered) == 4 * cfg.layers
+    assert not [c for c in collectives(tp_step).collectives if c.kind == "all-gather"]
+    saved = nx.CompiledMemory.of(tp_step).temp - nx.CompiledMemory.of(sp_step).temp
+    sequences = 8 // mesh.shape["data"]
+    formula = costs.activation_bytes(cfg, sequences, 32, model=2) - costs.activation_bytes(
+        cfg, sequences, 32, model=2, sequence_parallel=True
+    )
+    assert 0 < saved <= formula
+    reference = cp_trainer(nx.DP, 1).train(batches, 3)
+    assert np.max(np.abs(np.array(sp.train(batches, 3)) - reference)) < 1e-5
+
+
+def test_activations_left_to_the_compiler_give_fsdp_tp_another_program() -> None:
+    batches = nx.book_batches(16)
+    free = cp_trainer(nx.FSDP_TP)
+    free = nx.Trainer.create(
+        nx.create(free.model().cfg),
+        nx.adamw(),
+        nx.FSDP_TP,
+        free.layout.mesh,
+        dropout=False,
+        activations=False,
+    )
+    named = cp_trainer(nx.FSDP_TP)
+    sent = [collectives(t.compile(batches(0, t.batch))).bytes() for t in (free, named)]
+    assert sent[0] > 2 * sent[1]
+    assert not free.activations and named.activations
+
+
+def test_evaluation_runs_under_the_same_rules() -> None:
+    batches = nx.book_batches(8)
+    single, cp = cp_trainer(nx.DP, 1), cp_trainer(nx.CP)
+    batch = batches(0, cp.batch)
+    assert (
+        abs(float(cp.evaluate(cp.state, batch)) - float(single.evaluate(single.state, batch)))
+        < 1e-5
+    )

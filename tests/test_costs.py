@@ -237,3 +237,27 @@ def test_hsdp_sends_only_a_shard_across_replicas() -> None:
     across = groups[("all-reduce", ("replica",))]
     inside = groups[("all-reduce", ("data",))]
     assert across * run.layout.mesh.shape["data"] == inside
+
+
+def test_activations_split_along_the_sequence() -> None:
+    from nnxscale.model import TINY
+
+    whole = costs.activation_bytes(TINY, 4, 32)
+    for c in (2, 4, 8):
+        assert costs.activation_bytes(TINY, 4, 32, context=c) * c == whole
+    tp = costs.activation_bytes(TINY, 4, 32, model=2)
+    sp = costs.activation_bytes(TINY, 4, 32, model=2, sequence_parallel=True)
+    assert tp - sp == TINY.layers * 4 * 32 * 4 * TINY.embed / 2 * 4  # 4E values, half
+    flash = costs.activation_bytes(TINY, 4, 32, flash=True)
+    assert whole - flash == TINY.layers * 4 * 32 * TINY.heads * 32 * 4  # the H s scores
+
+
+def test_a_ring_hop_hides_its_transfer_above_a_chunk_length() -> None:
+    h100 = costs.HARDWARE["H100"]
+    c = costs.ring_hop_tokens(h100)
+    # a hop: 4 c^2 H D FLOPs at EFFICIENCY of peak against 2 c H D bf16 values on one link
+    for chunk in (c / 2, c, 2 * c):
+        compute = 4 * chunk**2 / (h100.flops * costs.EFFICIENCY)
+        send = 2 * chunk * 2 / h100.fast
+        assert (compute >= send) == (chunk >= c) or abs(compute - send) < 1e-15
+    assert round(c) == 1099

@@ -133,27 +133,56 @@ def held(cfg: Config, split: str, mesh: Mapping[str, int]) -> float:
     }[split]
 
 
-def layer_values(cfg: Config, seq: int, model: int = 1) -> float:
+def layer_values(
+    cfg: Config,
+    seq: int,
+    model: int = 1,
+    *,
+    sequence_parallel: bool = False,
+    flash: bool = False,
+) -> float:
     """Activation values one layer keeps per token for its backward pass: the inputs of its
-    matrix products and nonlinearities (4E + 4HD + 2F + H s), tensor-parallel parts split."""
-    e = cfg.embed
-    split = 4 * cfg.heads * cfg.head_dim + 2 * cfg.mlp + cfg.heads * seq
-    return 4 * e + split / model
+    matrix products and nonlinearities (4E + 4HD + 2F + H s), tensor-parallel parts split.
+    Sequence parallelism splits the residual stream's 4E too; `flash` attention keeps no
+    scores (its backward recomputes them block by block), dropping the H s term."""
+    residual = 4 * cfg.embed / (model if sequence_parallel else 1)
+    scores = 0 if flash else cfg.heads * seq
+    return residual + (4 * cfg.heads * cfg.head_dim + 2 * cfg.mlp + scores) / model
 
 
 def activation_bytes(
-    cfg: Config, sequences: float, seq: int, *, model: int = 1, remat: bool = False
+    cfg: Config,
+    sequences: float,
+    seq: int,
+    *,
+    model: int = 1,
+    remat: bool = False,
+    context: int = 1,
+    sequence_parallel: bool = False,
+    flash: bool = False,
 ) -> float:
-    """Bytes of activations kept for the backward pass of `sequences` sequences of `seq`
-    tokens: every layer's (or, with remat, every layer's input and one layer rebuilt at a
-    time), plus the final norm's input and output and the float32 logits."""
-    tokens = sequences * seq
+    """Bytes of activations one device keeps for the backward pass of `sequences` sequences
+    of `seq` tokens: every layer's (or, with remat, every layer's input and one layer rebuilt
+    at a time), plus the final norm's input and output and the float32 logits. Context
+    parallelism gives each device `seq / context` of every sequence's tokens (each query still
+    scores all `seq` keys, one block at a time)."""
+    tokens = sequences * seq / context
     width = DTYPE_BYTES[cfg.compute_dtype]
-    layer = tokens * layer_values(cfg, seq, model) * width
+    split = dict(sequence_parallel=sequence_parallel, flash=flash)
+    layer = tokens * layer_values(cfg, seq, model, **split) * width
     head = tokens * (2 * cfg.embed * width + cfg.vocab / model * LOGIT_BYTES)
     if remat:
-        return cfg.layers * tokens * cfg.embed * width + layer + head
+        stream = cfg.embed / (model if sequence_parallel else 1)
+        return cfg.layers * tokens * stream * width + layer + head
     return cfg.layers * layer + head
+
+
+def ring_hop_tokens(hardware: Hardware, dtype: str = "bfloat16") -> float:
+    """Tokens of a sequence per device above which one ring-attention hop computes longer
+    than it takes to send the next key/value block: a chunk of c tokens does 4 c^2 H D FLOPs
+    against 2 c H D values sent, so c >= bytes x FLOP/s x EFFICIENCY / (2 x link bytes/s),
+    whatever the model's shape."""
+    return DTYPE_BYTES[dtype] * hardware.flops * EFFICIENCY / (2 * hardware.fast)
 
 
 def step_flops(cfg: Config, sequences: float, seq: int, *, remat: bool = False) -> float:

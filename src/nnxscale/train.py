@@ -242,6 +242,8 @@ class Trainer:
     config: dict[str, Any] | None = None
     grads_fn: GradsFn = loss_and_grads
     compiler_options: dict[str, Any] | None = None
+    activations: bool = True
+    """Whether the rule set also places the model's activations (`layout.constrain`)."""
 
     @classmethod
     def create(
@@ -259,6 +261,7 @@ class Trainer:
         ema_decay: float = 0.9,
         config: dict[str, Any] | None = None,
         compiler_options: dict[str, Any] | None = None,
+        activations: bool = True,
     ) -> Trainer:
         """A trainer for `model` (an NNX module, or a function that creates one) with `tx`,
         laid out by `rules` on `mesh`.
@@ -268,10 +271,12 @@ class Trainer:
         `loss_fn(model, batch, rngs)` is the loss (default: the book's next-token loss);
         `grads_fn` replaces the whole loss-and-gradient computation (`nnxscale.fsdp`,
         `nnxscale.pipeline`). `config` is recorded in checkpoints (default: `model.cfg`).
-        `compiler_options` go to XLA when the step compiles (`Trainer.compile`).
+        `compiler_options` go to XLA when the step compiles (`Trainer.compile`);
+        `activations=False` leaves the model's activations to the compiler (no constraints).
         """
         options = {
             "compiler_options": compiler_options,
+            "activations": activations,
             "micro_batches": micro_batches,
             "dropout": dropout,
             "grads_fn": grads_fn,
@@ -308,6 +313,7 @@ class Trainer:
         dropout: bool = True,
         config: dict[str, Any] | None = None,
         compiler_options: dict[str, Any] | None = None,
+        activations: bool = True,
     ) -> Trainer:
         """A trainer for a split train state already resolved into `layout` (placed there if
         it is not), with its step and evaluations jitted on the layout's shardings."""
@@ -346,6 +352,7 @@ class Trainer:
                     out_shardings=scalar,
                 ),
                 layout.mesh,
+                layout.rules if activations else None,
             )
             for ema in (False, True)
         }
@@ -361,6 +368,7 @@ class Trainer:
             config=config,
             grads_fn=grads_fn,
             compiler_options=compiler_options,
+            activations=activations,
         )
 
     @property
@@ -408,10 +416,8 @@ class Trainer:
         """
         if self.compiled is None:
             check_batch(batch, self.batch, self.micro_batches)
-            with (
-                jax.set_mesh(self.layout.mesh),
-                activation_rules(self.layout.rules, self.layout.mesh),
-            ):
+            rules = self.layout.rules if self.activations else None
+            with jax.set_mesh(self.layout.mesh), activation_rules(rules, self.layout.mesh):
                 lowered = self.step.lower(self.state, batch)
                 self.compiled = lowered.compile(compiler_options=self.compiler_options)
         return self.compiled
@@ -442,11 +448,13 @@ def compile_all(jobs: list[tuple[Trainer, Any]]) -> list[jax.stages.Compiled]:
         return list(pool.map(lambda job: job[0].compile(job[1]), jobs))
 
 
-def _under_mesh(fn: Callable[..., jax.Array], mesh: Mesh) -> Callable[..., jax.Array]:
-    """`fn`, traced and run under `jax.set_mesh(mesh)`."""
+def _under_mesh(
+    fn: Callable[..., jax.Array], mesh: Mesh, rules: Rules | None
+) -> Callable[..., jax.Array]:
+    """`fn`, traced and run under `jax.set_mesh(mesh)` with `rules` placing activations."""
 
     def run(*args: Any) -> jax.Array:
-        with jax.set_mesh(mesh):
+        with jax.set_mesh(mesh), activation_rules(rules, mesh):
             return fn(*args)
 
     return run
