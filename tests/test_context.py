@@ -158,6 +158,18 @@ def test_sequence_parallelism_gathers_the_residual_stream_and_trains_as_tp() -> 
     # forward before attention and the MLP, backward again for the weights' gradients
     assert len(gathered) == 4 * cfg.layers
     assert not [c for c in collectives(tp_step).collectives if c.kind == "all-gather"]
+    piece = f"f32[{8 // mesh.shape['data']},16,{cfg.embed}]"
+
+    def sliced(program):  # reduce-scatters in all-reduce form: read only as a slice
+        return [
+            c
+            for c in collectives(program).collectives
+            if c.kind == "all-reduce"
+            and c.shape.startswith(stream)
+            and {r.split("{")[0] for r in c.readers} == {piece}
+        ]
+
+    assert len(sliced(sp_step)) >= 2 * cfg.layers and not sliced(tp_step)
     saved = nx.CompiledMemory.of(tp_step).temp - nx.CompiledMemory.of(sp_step).temp
     sequences = 8 // mesh.shape["data"]
     formula = costs.activation_bytes(cfg, sequences, 32, model=2) - costs.activation_bytes(

@@ -253,3 +253,13 @@ def test_a_collective_keeps_its_result_shape(ring, vector):
     program = jax.jit(lambda x: jnp.sum(x)).lower(vector).compile()
     (found,) = collectives(program).collectives
     assert found.shape.startswith("f32[]")
+
+
+def test_a_collective_knows_the_shapes_that_read_it() -> None:
+    mesh = make_mesh((4,), ("x",), devices=jax.devices()[:4])
+    body = jax.shard_map(
+        lambda a: jax.lax.psum(a, "x")[:2] * 2, mesh=mesh, in_specs=P("x"), out_specs=P("x")
+    )
+    report = collectives(jax.jit(body).lower(jnp.ones(16)).compile())
+    (reduced,) = [c for c in report.collectives if c.kind == "all-reduce"]
+    assert {r.split("{")[0] for r in reduced.readers} == {"f32[2]"}

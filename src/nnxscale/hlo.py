@@ -208,6 +208,9 @@ class Collective:
     sends: bool = True
     shape: str = ""
     """The HLO shape of its result, e.g. `f32[16,32,64]{2,1,0}` (what the array is)."""
+    readers: tuple[str, ...] = ()
+    """The result shapes of the instructions that read its result: an all-reduce read only
+    into this device's slice is a reduce-scatter in all-reduce form."""
 
     @property
     def group_size(self) -> int:
@@ -326,17 +329,19 @@ def collectives(program: object) -> CollectiveReport:
     num_partitions = int(partitions.group(1)) if partitions else 1
     found: dict[tuple[str, str], Collective] = {}
     done_shapes: dict[str, dict[str, str]] = {}  # per computation: start name -> done shape
+    done_names: dict[str, dict[str, str]] = {}  # per computation: start name -> done name
+    readers: dict[str, dict[str, list[str]]] = {}  # per computation: operand -> reader shapes
     for name, ins, executions, instructions in _walk(text):
         kind = ins.opcode.removesuffix("-start")
         if kind not in KINDS or ins.opcode.endswith("-done"):
             continue
         if name not in done_shapes:
-            done_shapes[name] = {
-                _first_operand(i.operands): i.shape
-                for i in instructions
-                if i.opcode.endswith("-done")
-            }
+            dones = [i for i in instructions if i.opcode.endswith("-done")]
+            done_shapes[name] = {_first_operand(i.operands): i.shape for i in dones}
+            done_names[name] = {_first_operand(i.operands): i.name for i in dones}
+            readers[name] = _readers(instructions)
         shape = done_shapes[name].get(ins.name, ins.shape)
+        result = done_names[name].get(ins.name, ins.name)
         key = (name, ins.name)
         previous = found.get(key)
         found[key] = Collective(
@@ -348,8 +353,21 @@ def collectives(program: object) -> CollectiveReport:
             executions=executions + (previous.executions if previous else 0),
             sends=_sends(kind, ins.attributes),
             shape=shape,
+            readers=tuple(readers[name].get(result, ())),
         )
     return CollectiveReport(list(found.values()), num_partitions)
+
+
+_OPERAND = re.compile(r"%([\w.\-]+)")
+
+
+def _readers(instructions: list[_Instruction]) -> dict[str, list[str]]:
+    """For each instruction's name, the result shapes of the instructions that read it."""
+    found: dict[str, list[str]] = {}
+    for ins in instructions:
+        for operand in set(_OPERAND.findall(ins.operands)):
+            found.setdefault(operand, []).append(ins.shape)
+    return found
 
 
 _CONTRACTING = re.compile(r"lhs_contracting_dims=\{([\d,]*)\}")
