@@ -1,0 +1,111 @@
+"""Routing keeps its promises, the dispatched layer equals the dense reference, and expert
+parallelism by hand equals both, with the all-to-alls the formula predicts."""
+
+from __future__ import annotations
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import pytest
+from flax import nnx
+
+from nnxscale import moe
+from nnxscale.hlo import collectives
+from nnxscale.mesh import make_mesh
+
+D, F, E = 16, 32, 8
+
+
+def layer(top_k: int = 1, factor: float = 2.0, experts: int = E) -> moe.MoE:
+    with nnx.use_eager_sharding(False):
+        return moe.MoE(D, F, experts, top_k=top_k, capacity_factor=factor, rngs=nnx.Rngs(0))
+
+
+def tokens(groups: int = 8, per_group: int = 32) -> jax.Array:
+    return jax.random.normal(jax.random.key(1), (groups, per_group, D))
+
+
+@pytest.mark.parametrize("top_k", [1, 2])
+@pytest.mark.parametrize("factor", [1.0, 2.0])
+def test_routing_respects_capacity_and_accounts_for_every_assignment(top_k, factor) -> None:
+    layer_ = layer(top_k, factor)
+    routing = layer_.routing(tokens())
+    slots = moe.capacity(32, E, top_k, factor)
+    assert routing.dispatch.shape == (8, 32, E, slots)
+    per_slot = routing.dispatch.sum(axis=1)  # tokens in each slot of each expert
+    assert per_slot.max() <= 1
+    per_token = routing.dispatch.sum(axis=(2, 3))
+    assert per_token.max() <= top_k
+    assert (routing.wanted.sum(axis=-1) == 32 * top_k).all()
+    assert (routing.kept == routing.dispatch.sum(axis=(1, 3))).all()
+    assert (routing.kept <= slots).all() and (routing.kept <= routing.wanted).all()
+    gates = routing.combine.sum(axis=(2, 3))
+    kept_all = per_token == top_k
+    if top_k > 1:  # renormalised gates of a token that kept every choice sum to one
+        assert jnp.allclose(jnp.where(kept_all, gates, 1.0), 1.0, atol=1e-6)
+    dropped = float(routing.dropped)
+    assert 0 <= dropped < 1
+
+
+def test_a_tighter_capacity_drops_more() -> None:
+    x = tokens()
+    loose, tight = (float(layer(2, f).routing(x).dropped) for f in (2.0, 1.0))
+    assert tight > loose
+
+
+@pytest.mark.parametrize("top_k", [1, 2])
+def test_dispatched_equals_the_dense_reference(top_k) -> None:
+    layer_ = layer(top_k, 1.0)
+    x = tokens()
+    y, routing = layer_(x)
+    reference = moe.dense_reference(x, routing, layer_.up[...], layer_.down[...])
+    # the same products; dispatch adds exact zeros, so float32 differs by rounding only
+    assert jnp.abs(y - reference).max() < 1e-5
+
+
+@pytest.mark.parametrize("devices", [2, 4, 8])
+@pytest.mark.parametrize("top_k", [1, 2])
+def test_expert_parallelism_by_hand_equals_one_device(devices, top_k) -> None:
+    mesh = make_mesh((devices,), ("expert",), devices=jax.devices()[:devices])
+    layer_ = layer(top_k, 1.5)
+    x, w = tokens(), jax.random.normal(jax.random.key(2), (8, 32, D))
+
+    graphdef, state = nnx.split(layer_)
+
+    def on_one(state, x):
+        y, routing = nnx.merge(graphdef, state)(x)
+        return (y * w).sum() + routing.aux_loss
+
+    def by_hand(state, x):
+        y, aux = moe.expert_parallel(nnx.merge(graphdef, state), x, mesh)
+        return (y * w).sum() + aux
+
+    grad = partial(jax.value_and_grad, argnums=(0, 1))
+    (a, ga), (b, gb) = (jax.jit(grad(f))(state, x) for f in (on_one, by_hand))
+    # float32 sums of the same products in another order: the loss sums 4,096 of them
+    # (rounding grows like sqrt(n) ulps, ~4e-6 relative); gradients a few ulps of their largest
+    assert abs(float(a - b)) <= 1e-5 * abs(float(a))
+    for u, v in zip(jax.tree.leaves(ga), jax.tree.leaves(gb), strict=True):
+        assert jnp.abs(u - v).max() <= 1e-6 * jnp.abs(u).max()
+
+
+def test_expert_parallelism_sends_two_all_to_alls_of_the_slots() -> None:
+    mesh = make_mesh((8,), ("expert",))
+    layer_ = layer(2, 1.0)
+    x = tokens()
+    program = jax.jit(lambda x: moe.expert_parallel(layer_, x, mesh)[0]).lower(x).compile()
+    report = collectives(program)
+    slots = moe.capacity(32, E, 2, 1.0)
+    array = E * slots * D * 4  # one group's slots of every expert, float32
+    assert report.count("all-to-all") == 2
+    assert report.array_bytes("all-to-all") == 2 * array
+    assert report.bytes("all-to-all") == 2 * array * 7 / 8
+
+
+def test_an_expert_count_the_axis_cannot_split_is_named() -> None:
+    mesh = make_mesh((4,), ("expert",), devices=jax.devices()[:4])
+    with pytest.raises(moe.MoEError, match="6 experts cannot be split evenly over the 4"):
+        moe.expert_parallel(layer(experts=6), tokens(), mesh)
+    with pytest.raises(moe.MoEError, match="top_k=3 with 2 experts"):
+        moe.route(jnp.zeros((4, 2)), 3, 4)
