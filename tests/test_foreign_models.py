@@ -313,6 +313,8 @@ def test_every_strategy_of_the_table_builds_its_mesh() -> None:
         "TP+SP",
         "CP",
         "FSDP+CP",
+        "EP",
+        "FSDP+EP",
     }
     assert set(nx.RULE_SETS) == {"DP", "FSDP", "TP", "FSDP+TP"}
     shapes = {name: dict(nx.strategy_mesh(r).shape) for name, r in nx.STRATEGIES.items()}
@@ -321,6 +323,8 @@ def test_every_strategy_of_the_table_builds_its_mesh() -> None:
     assert shapes["HSDP"] == {"replica": 2, "data": 4} and shapes["ZeRO-1"] == shapes["FSDP"]
     assert shapes["CP"] == {"data": 1, "context": 8} and shapes["TP+SP"] == shapes["TP"]
     assert shapes["FSDP+CP"] == {"data": 4, "context": 2}
+    assert shapes["EP"] == {"data": 1, "expert": 8}
+    assert shapes["FSDP+EP"] == {"data": 2, "expert": 4}
     assert dict(nx.strategy_mesh(nx.auto_fsdp("x")).shape) == {"x": 8}
     with pytest.raises(nx.RuleError, match="exactly one of them -1"):
         nx.Rules("bad", {}, axes=("a", "b"), sizes=(2, 4))

@@ -31,10 +31,13 @@ def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
 
 
 def next_token_loss(model: nnx.Module, tokens: jax.Array, rngs: nnx.Rngs | None) -> jax.Array:
-    """The book's loss: mean cross-entropy of predicting tokens[:, 1:] from tokens[:, :-1].
+    """The book's loss: mean cross-entropy of predicting tokens[:, 1:] from tokens[:, :-1],
+    plus, for a mixture of experts, `aux_weight` times the layers' load-balancing loss.
 
     The Transformer splits one dropout key into a key per layer itself, so it is given the
     stream's key as it is (the step's key), not a draw from it.
     """
     key = None if rngs is None else rngs.dropout.key[...]
-    return cross_entropy(model(tokens[:, :-1], dropout_key=key), tokens[:, 1:])
+    logits, aux = model.logits_and_aux(tokens[:, :-1], dropout_key=key)
+    loss = cross_entropy(logits, tokens[:, 1:])
+    return loss + model.cfg.aux_weight * aux if model.cfg.experts else loss

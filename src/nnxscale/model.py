@@ -18,8 +18,9 @@ from flax import nnx
 
 from nnxscale.context import context_split, from_layout, ring_attention, to_layout
 from nnxscale.layout import activation_spec, constrain
+from nnxscale.moe import MoE
 
-LOGICAL_AXES = ("vocab", "embed", "heads", "head_dim", "mlp", "length", "layers")
+LOGICAL_AXES = ("vocab", "embed", "heads", "head_dim", "mlp", "length", "layers", "experts")
 
 HEADS = ("batch", "length", "heads", "head_dim")
 """Logical names of queries, keys and values (and the attention's output before projection)."""
@@ -51,6 +52,12 @@ class Config:
     scan_layers: bool = False
     remat: bool = False
     compute_dtype: str = "float32"
+    experts: int = 0
+    """Experts per MoE layer in place of each MLP (`nnxscale.moe`); 0 keeps the dense MLP."""
+    top_k: int = 1
+    capacity_factor: float = 2.0
+    aux_weight: float = 0.01
+    """Weight of the load-balancing loss in the training loss (MoE only)."""
 
     def replace(self, **changes: object) -> Config:
         """A copy with some fields changed."""
@@ -149,13 +156,34 @@ class Block(nnx.Module):
         self.attention_norm = RMSNorm(cfg, rngs=rngs)
         self.attention = Attention(cfg, rngs=rngs)
         self.mlp_norm = RMSNorm(cfg, rngs=rngs)
-        self.mlp = MLP(cfg, rngs=rngs)
+        self.mlp = (
+            MoE(
+                cfg.embed,
+                cfg.mlp,
+                cfg.experts,
+                top_k=cfg.top_k,
+                capacity_factor=cfg.capacity_factor,
+                rngs=rngs,
+            )
+            if cfg.experts
+            else MLP(cfg, rngs=rngs)
+        )
         self.dropout = nnx.Dropout(cfg.dropout)
 
     def __call__(self, x: jax.Array, dropout_key: jax.Array | None) -> jax.Array:
+        return self.with_aux(x, dropout_key)[0]
+
+    def with_aux(self, x: jax.Array, dropout_key: jax.Array | None) -> tuple[jax.Array, jax.Array]:
+        """The layer's output and its load-balancing loss (zero for a dense MLP)."""
         keys = (None, None) if dropout_key is None else tuple(jax.random.split(dropout_key))
         x = constrain(x + self._drop(self.attention(self.attention_norm(x)), keys[0]), RESIDUAL)
-        return constrain(x + self._drop(self.mlp(self.mlp_norm(x)), keys[1]), RESIDUAL)
+        h = self.mlp_norm(x)
+        if isinstance(self.mlp, MoE):  # each sequence is one group of tokens to route
+            h, routing = self.mlp(h)
+            aux = routing.aux_loss
+        else:
+            h, aux = self.mlp(h), jnp.zeros((), jnp.float32)
+        return constrain(x + self._drop(h, keys[1]), RESIDUAL), aux
 
     def _drop(self, x: jax.Array, key: jax.Array | None) -> jax.Array:
         return self.dropout(x, deterministic=key is None, rngs=key)
@@ -193,8 +221,15 @@ class Transformer(nnx.Module):
 
     def __call__(self, tokens: jax.Array, *, dropout_key: jax.Array | None = None) -> jax.Array:
         """Logits (batch, length, vocab) for integer tokens (batch, length); dropout if keyed."""
+        return self.logits_and_aux(tokens, dropout_key=dropout_key)[0]
+
+    def logits_and_aux(
+        self, tokens: jax.Array, *, dropout_key: jax.Array | None = None
+    ) -> tuple[jax.Array, jax.Array]:
+        """The logits and the layers' mean load-balancing loss (zero without experts)."""
         keys = None if dropout_key is None else self.layer_keys(dropout_key)
-        return self.unembed(self.run_blocks(self.embed_tokens(tokens), keys))
+        x, aux = self.run_blocks(self.embed_tokens(tokens), keys)
+        return self.unembed(x), aux / self.cfg.layers
 
     def embed_tokens(self, tokens: jax.Array) -> jax.Array:
         """The blocks' input: token plus position embeddings, in the compute dtype. Under
@@ -222,23 +257,29 @@ class Transformer(nnx.Module):
         head = self.head[...].astype(x.dtype)
         return jnp.einsum("ble,ev->blv", x, head).astype(jnp.float32)
 
-    def run_blocks(self, x: jax.Array, keys: jax.Array | None) -> jax.Array:
-        """Every block in turn (a Python loop, or a scan over stacked blocks), remat if set."""
-        apply: Callable[[Block, jax.Array, jax.Array | None], jax.Array] = (
-            nnx.remat(lambda block, h, key: block(h, key))
+    def run_blocks(self, x: jax.Array, keys: jax.Array | None) -> tuple[jax.Array, jax.Array]:
+        """Every block in turn (a Python loop, or a scan over stacked blocks), remat if set;
+        the output and the sum of the layers' load-balancing losses."""
+        apply: Callable[[Block, jax.Array, jax.Array | None], tuple[jax.Array, jax.Array]] = (
+            nnx.remat(lambda block, h, key: block.with_aux(h, key))
             if self.cfg.remat
-            else (lambda block, h, key: block(h, key))
+            else (lambda block, h, key: block.with_aux(h, key))
         )
+        total = jnp.zeros((), jnp.float32)
         if not self.cfg.scan_layers:
             for i, block in enumerate(self.blocks):
-                x = apply(block, x, None if keys is None else keys[i])
-            return x
+                x, aux = apply(block, x, None if keys is None else keys[i])
+                total = total + aux
+            return x, total
 
         @nnx.scan(in_axes=(0, nnx.Carry, 0 if keys is not None else None), out_axes=nnx.Carry)
-        def run(block: Block, h: jax.Array, key: jax.Array | None) -> jax.Array:
-            return apply(block, h, key)
+        def run(
+            block: Block, carry: tuple[jax.Array, jax.Array], key: jax.Array | None
+        ) -> tuple[jax.Array, jax.Array]:
+            h, aux = apply(block, carry[0], key)
+            return h, carry[1] + aux
 
-        return run(self.blocks, x, keys)
+        return run(self.blocks, (x, total), keys)
 
 
 def create(cfg: Config, seed: int = 0) -> Transformer:

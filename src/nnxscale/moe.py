@@ -20,6 +20,16 @@ from flax import nnx
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from nnxscale.layout import activation_axis, constrain
+
+GROUPS = ("batch", None, None, None)
+"""The same slots placed with their groups of tokens (where the dispatch computes them)."""
+
+SLOTS = ("groups", "experts", None, None)
+"""Logical names of the experts' slots (groups, experts, slots, d): under expert parallelism
+each device holds its experts' slots of every group, which the compiler reaches by an
+all-to-all from the groups' split."""
+
 
 class MoEError(ValueError):
     """An expert layout that cannot work as asked; the message names the fix."""
@@ -96,7 +106,12 @@ def dispatched(x: jax.Array, routing: Routing, up: jax.Array, down: jax.Array) -
     """The layer by dispatch and combine (x: groups x tokens x d): tokens gathered into their
     experts' slots, computed there, and summed back with their gates."""
     inputs = jnp.einsum("gtec,gtd->gecd", routing.dispatch.astype(x.dtype), x)
+    if activation_axis("experts") is not None:  # expert parallelism by the rules
+        # each group's slots where its tokens are, then moved to their experts' devices
+        inputs = constrain(constrain(inputs, GROUPS), SLOTS)
     outputs = experts_forward(inputs, up, down)
+    if activation_axis("experts") is not None:
+        outputs = constrain(constrain(outputs, SLOTS), GROUPS)
     return jnp.einsum("gtec,gecd->gtd", routing.combine.astype(x.dtype), outputs)
 
 

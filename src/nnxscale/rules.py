@@ -144,7 +144,15 @@ def _as_tuple(candidate: MeshAxes) -> tuple[str, ...]:
     return (candidate,) if isinstance(candidate, str) else tuple(candidate)
 
 
-_REPLICATED = {"vocab": (), "embed": (), "heads": (), "head_dim": (), "mlp": (), "length": ()}
+_REPLICATED = {
+    "vocab": (),
+    "embed": (),
+    "heads": (),
+    "head_dim": (),
+    "mlp": (),
+    "length": (),
+    "experts": (),
+}
 _ACTIVATIONS = {"batch": ("data",), "layers": ()}
 STAGE, FSDP_AXIS = "stage", "fsdp"
 """The pipeline's mesh axes: stages, and FSDP inside each stage."""
@@ -248,9 +256,52 @@ FSDP_CP = Rules(
 )
 """FSDP over `data` (parameters and batch) and context parallelism over `context`."""
 
+EXPERT = "expert"
+"""The mesh axis expert parallelism splits a mixture's experts over."""
+
+EP = Rules(
+    "EP",
+    {
+        **_REPLICATED,
+        **_ACTIVATIONS,
+        "batch": (("data", EXPERT),),
+        "experts": (EXPERT,),
+        "groups": ("data",),
+    },
+    axes=("data", EXPERT),
+    sizes=(1, -1),
+    strict=True,
+)
+"""Expert parallelism: each device holds its share of every MoE layer's experts and its share
+of the batch (over `data` and `expert`); the rest replicated, as in DP. Strict: an expert
+count the axis does not divide is an error, not a silent replication."""
+
+FSDP_EP = Rules(
+    "FSDP+EP",
+    {**FSDP.logical, "batch": (("data", EXPERT),), "experts": (EXPERT,), "groups": ("data",)},
+    axes=("data", EXPERT),
+    sizes=(-1, 4),
+)
+"""Expert parallelism over `expert` and FSDP over `data`: the experts split over both."""
+
 STRATEGIES = {
     rules.name: rules
-    for rules in (DP, ZERO1, ZERO2, FSDP, TP, FSDP_TP, HSDP, PP, PP_FSDP, SP, CP, FSDP_CP)
+    for rules in (
+        DP,
+        ZERO1,
+        ZERO2,
+        FSDP,
+        TP,
+        FSDP_TP,
+        HSDP,
+        PP,
+        PP_FSDP,
+        SP,
+        CP,
+        FSDP_CP,
+        EP,
+        FSDP_EP,
+    )
 }
 """Every rule set of the book, with the mesh axes and sizes each is meant for."""
 
