@@ -7,6 +7,7 @@ from functools import partial
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from flax import nnx
 
@@ -109,3 +110,71 @@ def test_an_expert_count_the_axis_cannot_split_is_named() -> None:
         moe.expert_parallel(layer(experts=6), tokens(), mesh)
     with pytest.raises(moe.MoEError, match="top_k=3 with 2 experts"):
         moe.route(jnp.zeros((4, 2)), 3, 4)
+
+
+def moe_config():
+    import nnxscale as nx
+
+    return nx.TINY.replace(dropout=0.0, experts=8, top_k=2, capacity_factor=2.0)
+
+
+def moe_trainer(rules, devices=None):
+    import nnxscale as nx
+
+    mesh = nx.strategy_mesh(rules, devices)
+    return nx.Trainer.create(
+        nx.create(moe_config()),
+        nx.adamw(),
+        rules,
+        mesh,
+        dropout=False,
+        compiler_options=nx.train.FAST_COMPILE,
+    )
+
+
+@pytest.mark.parametrize("name", ["EP", "FSDP+EP"])
+def test_one_step_under_expert_parallelism_equals_one_device(name) -> None:
+    import nnxscale as nx
+
+    batch = nx.book_batches(16)
+    single, split = moe_trainer(nx.DP, 1), moe_trainer(nx.STRATEGIES[name])
+    # two steps: no router near-tie flips a choice yet, so float32 tolerances apply (later
+    # steps can flip one, and the losses then differ by ~1e-4: routing is discontinuous)
+    ours, theirs = (np.array(t.train(batch, 2)) for t in (split, single))
+    assert np.max(np.abs(ours - theirs) / theirs) <= 1e-6
+
+
+def test_the_compilers_expert_parallelism_moves_slots_by_all_to_all() -> None:
+    import nnxscale as nx
+
+    trainer = moe_trainer(nx.EP)
+    cfg, n = moe_config(), trainer.layout.mesh.shape["expert"]
+    report = collectives(trainer.compile(nx.book_batches(16)(0, trainer.batch)))
+    slots = moe.capacity(32, cfg.experts, cfg.top_k, cfg.capacity_factor)
+    array = 16 // n * cfg.experts * slots * cfg.embed * 4  # local groups' slots, float32
+    # per layer: to the experts and back, forward and backward
+    assert report.count("all-to-all") == 4 * cfg.layers
+    assert report.array_bytes("all-to-all") == 4 * cfg.layers * array
+    assert not [c for c in report.collectives if c.kind == "all-gather" and "64]" in c.shape]
+
+
+def test_hand_written_strategies_refuse_a_mixture_of_experts() -> None:
+    import nnxscale as nx
+    from nnxscale import fsdp
+
+    model = nx.create(moe_config().replace(scan_layers=True))
+    mesh = make_mesh((2,), ("data",), devices=jax.devices()[:2])
+    with pytest.raises(ValueError, match="load-balancing loss"):
+        fsdp.loss_and_grads(model, jnp.zeros((2, 33), jnp.int32), None, mesh=mesh)
+
+
+def test_an_expert_count_the_rules_cannot_split_is_an_error() -> None:
+    import nnxscale as nx
+
+    with pytest.raises(nx.RuleError, match="experts=6"):
+        nx.Trainer.create(
+            nx.create(moe_config().replace(experts=6)),
+            nx.adamw(),
+            nx.EP,
+            nx.strategy_mesh(nx.EP, 8),
+        )

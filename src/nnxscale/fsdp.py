@@ -147,6 +147,11 @@ def loss_and_grads(
         raise ValueError("hand-written FSDP gathers inside a scan: use Config(scan_layers=True)")
     if micro_batches != 1:
         raise ValueError("hand-written FSDP takes the whole batch: use micro_batches=1")
+    if model.cfg.experts:
+        raise ValueError(
+            "hand-written FSDP runs dense blocks and would drop the experts' load-balancing "
+            "loss: train a mixture of experts with the rule sets (nx.EP, nx.FSDP_EP)"
+        )
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     specs = resolve(params, rules, mesh).specs
 

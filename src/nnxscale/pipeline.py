@@ -107,6 +107,11 @@ def _check(model: Transformer, batch: jax.Array, schedule: Schedule, mesh: Mesh)
     """Refuse, with the reason, a pipeline the executor cannot run, before anything is traced."""
     if not model.cfg.scan_layers:
         raise ValueError("the executor splits stacked layers: use Config(scan_layers=True)")
+    if model.cfg.experts:
+        raise ValueError(
+            "the pipeline executor would drop the experts' load-balancing loss: train a "
+            "mixture of experts with the rule sets (nx.EP, nx.FSDP_EP)"
+        )
     p, m = mesh.shape[STAGE], schedule.micro_batches
     if schedule.devices != p:
         raise ScheduleError(f"the schedule has {schedule.devices} stages, the mesh {p}")
