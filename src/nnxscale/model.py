@@ -18,7 +18,7 @@ from flax import nnx
 
 from nnxscale.context import context_split, from_layout, ring_attention, to_layout
 from nnxscale.layout import activation_spec, constrain
-from nnxscale.moe import MoE
+from nnxscale.moe import MoE, Routing
 
 LOGICAL_AXES = ("vocab", "embed", "heads", "head_dim", "mlp", "length", "layers", "experts")
 
@@ -175,15 +175,22 @@ class Block(nnx.Module):
 
     def with_aux(self, x: jax.Array, dropout_key: jax.Array | None) -> tuple[jax.Array, jax.Array]:
         """The layer's output and its load-balancing loss (zero for a dense MLP)."""
+        x, routing = self.with_routing(x, dropout_key)
+        return x, jnp.zeros((), jnp.float32) if routing is None else routing.aux_loss
+
+    def with_routing(
+        self, x: jax.Array, dropout_key: jax.Array | None
+    ) -> tuple[jax.Array, Routing | None]:
+        """The layer's output and, for a mixture of experts, how it routed its tokens (each
+        sequence is one group)."""
         keys = (None, None) if dropout_key is None else tuple(jax.random.split(dropout_key))
         x = constrain(x + self._drop(self.attention(self.attention_norm(x)), keys[0]), RESIDUAL)
-        h = self.mlp_norm(x)
-        if isinstance(self.mlp, MoE):  # each sequence is one group of tokens to route
+        h, routing = self.mlp_norm(x), None
+        if isinstance(self.mlp, MoE):
             h, routing = self.mlp(h)
-            aux = routing.aux_loss
         else:
-            h, aux = self.mlp(h), jnp.zeros((), jnp.float32)
-        return constrain(x + self._drop(h, keys[1]), RESIDUAL), aux
+            h = self.mlp(h)
+        return constrain(x + self._drop(h, keys[1]), RESIDUAL), routing
 
     def _drop(self, x: jax.Array, key: jax.Array | None) -> jax.Array:
         return self.dropout(x, deterministic=key is None, rngs=key)
@@ -244,6 +251,18 @@ class Transformer(nnx.Module):
             tokens, where = to_layout(tokens, split), jnp.asarray(split.order(length))
         x = self.embed[...][tokens] + self.position[...][where]
         return constrain(x.astype(jnp.dtype(cfg.compute_dtype)), RESIDUAL)
+
+    def routings(self, tokens: jax.Array) -> list[Routing]:
+        """How each layer's experts routed `tokens` (no dropout): what a chapter plots."""
+        if self.cfg.scan_layers or not self.cfg.experts:
+            raise ValueError(
+                "routings reads a Python loop of MoE layers: use experts > 0 and scan_layers=False"
+            )
+        x, found = self.embed_tokens(tokens), []
+        for block in self.blocks:
+            x, routing = block.with_routing(x, None)
+            found.append(routing)
+        return found
 
     def layer_keys(self, dropout_key: jax.Array) -> jax.Array:
         """One dropout key per layer, from the step's key."""
