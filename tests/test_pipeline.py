@@ -10,14 +10,24 @@ from flax import nnx
 
 from nnxscale import pipeline
 from nnxscale.data import book_batches
-from nnxscale.hlo import collectives
+from nnxscale.hlo import branch_work, collectives
 from nnxscale.layout import resolve
+from nnxscale.memory import CompiledMemory
 from nnxscale.model import TINY, create
 from nnxscale.rules import DP, strategy_mesh
-from nnxscale.schedules import ScheduleError, gpipe, interleaved, one_f_one_b
+from nnxscale.schedules import (
+    ScheduleError,
+    bubble_formula,
+    gpipe,
+    interleaved,
+    one_f_one_b,
+    simulate,
+    zero_bubble,
+    zero_bubble_formula,
+)
 from nnxscale.train import Trainer, adamw, loss_and_grads
 
-CFG = TINY.replace(layers=4, scan_layers=True)
+CFG = TINY.replace(layers=8, scan_layers=True)
 TOKENS = book_batches(batch_size=16).rows(0)
 
 
@@ -26,8 +36,8 @@ def reference() -> tuple[jax.Array, nnx.State]:
     return jax.jit(lambda m, t: loss_and_grads(m, t, None))(create(CFG), TOKENS)
 
 
-def placed(mesh) -> nnx.Module:
-    return pipeline.placed(create(CFG), mesh)
+def placed(mesh, virtual: int = 1) -> nnx.Module:
+    return pipeline.placed(create(CFG), mesh, virtual)
 
 
 def test_placed_lays_the_model_out_by_the_rules_its_mesh_implies() -> None:
@@ -40,10 +50,26 @@ def test_placed_lays_the_model_out_by_the_rules_its_mesh_implies() -> None:
                                          state, expected))  # fmt: skip
 
 
+def test_interleaving_stores_each_device_s_stages_side_by_side() -> None:
+    order = pipeline.layer_order(8, 4, 2)  # stages of one layer: device d holds d and d + 4
+    np.testing.assert_array_equal(order, [0, 4, 1, 5, 2, 6, 3, 7])
+    np.testing.assert_array_equal(pipeline.layer_order(8, 2, 2), [0, 1, 4, 5, 2, 3, 6, 7])
+    np.testing.assert_array_equal(pipeline.layer_order(8, 4), np.arange(8))
+    model = create(CFG)
+    mesh = pipeline.pipeline_mesh(4)
+    stored = nnx.state(pipeline.placed(model, mesh, virtual=2), nnx.Param)
+    back = pipeline.in_model_order(stored, 4, 2)
+    for got, want in zip(jax.tree.leaves(back), jax.tree.leaves(nnx.state(model, nnx.Param)),
+                         strict=True):  # fmt: skip
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
 CASES = [
     (gpipe(4, 8), (4, 0)), (one_f_one_b(4, 8), (4, 0)), (one_f_one_b(4, 2), (4, 0)),
     (one_f_one_b(2, 4), (2, 0)), (gpipe(4, 4), (4, 2)), (one_f_one_b(4, 8), (4, 2)),
-    (one_f_one_b(2, 4), (2, 4)),
+    (one_f_one_b(2, 4), (2, 4)), (interleaved(4, 8, 2), (4, 0)), (interleaved(2, 4, 4), (2, 2)),
+    (zero_bubble(4, 8), (4, 0)), (zero_bubble(4, 2), (4, 2)), (zero_bubble(1, 4), (1, 0)),
+    (interleaved(1, 2, 2), (1, 0)),
 ]  # fmt: skip
 
 
@@ -53,52 +79,119 @@ IDS = [f"{s.name}-p{s.devices}-m{s.micro_batches}-fsdp{f}" for s, (_, f) in CASE
 @pytest.mark.parametrize(("schedule", "shape"), CASES, ids=IDS)
 def test_pipelined_gradients_equal_the_unpipelined(reference, schedule, shape) -> None:
     mesh = pipeline.pipeline_mesh(*shape)
-    model = placed(mesh)
+    model = placed(mesh, schedule.virtual)
     run = jax.jit(lambda m, t: pipeline.loss_and_grads(m, t, schedule, mesh))
     loss, grads = run(model, TOKENS)
+    grads = pipeline.in_model_order(grads, schedule.devices, schedule.virtual)
     ref_loss, ref_grads = reference
     assert abs(float(loss) - float(ref_loss)) <= 1e-6
     for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads), strict=True):
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0, atol=1e-6)
-    report = collectives(run.lower(model, TOKENS).compile())
-    assert report.count("collective-permute") > 0
+    compiled = run.lower(model, TOKENS).compile()
+    report = collectives(compiled)
+    ticks = pipeline.tick_table(schedule).count
+    if jax.default_backend() == "cpu" and shape[0] > 1:  # one permute each way per tick
+        assert report.count("collective-permute") == 2 * ticks
+    assert (report.bytes("collective-permute") > 0) == (shape[0] > 1)
     if shape[1]:  # FSDP inside the stages: each array gathered and reduce-scattered once a step
         arrays = len(jax.tree.leaves(ref_grads))
         assert report.count("all-gather") == report.count("reduce-scatter") == arrays
         assert report.bytes("all-gather") == report.bytes("reduce-scatter")
 
 
-def test_the_tick_table_runs_every_task_once() -> None:
-    what, micro = pipeline.tick_table(one_f_one_b(4, 8))
-    assert what.shape == (2 * (8 + 4 - 1), 4)
-    for d in range(4):
-        for kind in (pipeline.RUN_FORWARD, pipeline.RUN_BACKWARD):
-            assert sorted(micro[what[:, d] == kind, d]) == list(range(8))
+SCHEDULES = [gpipe(4, 8), one_f_one_b(4, 8), interleaved(4, 8, 2), zero_bubble(4, 8),
+             gpipe(3, 5), one_f_one_b(2, 8), interleaved(2, 8, 3), zero_bubble(3, 6)]  # fmt: skip
 
 
-def test_receive_fills_the_micro_batch_slot_only_for_a_real_hand_over() -> None:
-    buffer = jnp.arange(6.0).reshape(3, 2)  # 3 slots: micro-batch i goes to slot i % 3
+@pytest.mark.parametrize("schedule", SCHEDULES, ids=lambda s: f"{s.name}-{s.devices}")
+def test_the_tick_table_runs_every_task_once_and_idles_the_unit_cost_bubble(schedule) -> None:
+    ticks = pipeline.tick_table(schedule)
+    unit = simulate(schedule, lambda task: 1.0)
+    assert ticks.count == unit.makespan
+    assert ticks.idle_share() == pytest.approx(unit.bubble(), abs=1e-12)
+    p, m, v = schedule.devices, schedule.micro_batches, schedule.virtual
+    formula = zero_bubble_formula(p, m) if schedule.split else bubble_formula(p, m, v)
+    assert ticks.idle_share() == pytest.approx(formula, abs=1e-12)
+    tasks = sorted(
+        (str(b), int(ticks.micro[t, d]), int(ticks.chunk[t, d]) * p + d)
+        for t, d in zip(*np.nonzero(ticks.branch), strict=True)
+        for b in [ticks.branches[ticks.branch[t, d] - 1]]
+    )
+    assert len(tasks) == len(set(tasks)) == sum(len(order) for order in schedule.order)
+
+
+def test_slots_are_what_each_schedule_keeps_alive() -> None:
+    p = 4
+    for m in (8, 16):
+        assert pipeline.tick_table(gpipe(p, m)).x_slots == m
+        assert pipeline.tick_table(one_f_one_b(p, m)).x_slots == p
+        zb = pipeline.tick_table(zero_bubble(p, m))
+        assert (zb.x_slots, zb.g_slots) == (p, p - 1)  # device d defers d Ws
+        assert pipeline.tick_table(one_f_one_b(p, m)).g_slots == 1
+
+
+def test_receive_fills_the_slot_the_table_names_or_nothing() -> None:
+    buffer = jnp.arange(6.0).reshape(3, 2)
     value = jnp.full(2, -1.0)
-    got = pipeline.receive(buffer, value, jnp.int32(4), jnp.bool_(True))
+    got = pipeline.receive(buffer, value, jnp.int32(1))
     np.testing.assert_array_equal(got, [[0, 1], [-1, -1], [4, 5]])
-    kept = pipeline.receive(buffer, value, jnp.int32(4), jnp.bool_(False))  # from an idle stage
+    kept = pipeline.receive(buffer, value, jnp.int32(-1))  # nothing arrives this tick
     np.testing.assert_array_equal(kept, buffer)
 
 
+def test_stages_compute_only_their_part() -> None:
+    schedule, mesh = zero_bubble(4, 8), pipeline.pipeline_mesh(4)
+    run = jax.jit(lambda m, t: pipeline.loss_and_grads(m, t, schedule, mesh))
+    work = branch_work(run.lower(placed(mesh), TOKENS).compile())
+    ticks = pipeline.tick_table(schedule)
+    by_name = {str(b): w for b, w in zip(ticks.branches, work[1:], strict=True)}
+    assert work[0].flops == 0 and not work[0].opcodes.get("dot")  # idle
+    head = 2 * 2 * 32 * CFG.embed * CFG.vocab  # a micro-batch of 2 rows x 32 tokens
+    assert by_name["F first"].flops == by_name["F middle"].flops
+    assert by_name["F last"].flops - by_name["F middle"].flops == head
+    assert by_name["F first"].opcodes["gather"] > 0 == by_name["F middle"].opcodes["gather"]
+    assert by_name["B(input) first"].flops == 0  # nothing before the first stage needs it
+    for role in ("first", "middle", "last"):  # W redoes the stage to reach every layer's weights
+        assert by_name[f"W {role}"].flops > by_name["F middle"].flops
+    # Which device runs which branch is in the table: only the last device runs the head.
+    last = [i + 1 for i, b in enumerate(ticks.branches) if b.last]
+    assert set(np.nonzero(np.isin(ticks.branch, last))[1]) == {3}
+
+
+def test_memory_follows_the_slots_the_table_keeps() -> None:
+    mesh, act = pipeline.pipeline_mesh(4), 2 * 32 * CFG.embed * 4  # a micro-batch's stage input
+    bases = {}
+    for make in (gpipe, one_f_one_b, zero_bubble, lambda p, m: interleaved(p, m, 2)):
+        for m in (8, 16):
+            schedule = make(4, m)
+            tokens = book_batches(batch_size=2 * m).rows(0)
+            run = jax.jit(lambda mdl, t, s=schedule: pipeline.loss_and_grads(mdl, t, s, mesh))
+            temp = CompiledMemory.of(run.lower(placed(mesh, schedule.virtual), tokens).compile())
+            ticks = pipeline.tick_table(schedule)
+            bases.setdefault(schedule.name, set()).add(
+                temp.temp - (ticks.x_slots + ticks.g_slots) * act
+            )
+    assert all(len(b) == 1 for b in bases.values()), bases  # temporaries = base + slots x act
+    assert bases["GPipe"] == bases["1F1B"]  # the same branches, only the slots differ
+
+
 def test_training_through_the_pipeline_equals_one_device() -> None:
-    mesh = pipeline.pipeline_mesh(4, 2)
     one = Trainer.create(create(CFG), adamw(), DP, strategy_mesh(DP, 1), dropout=False)
-    piped = Trainer.create(create(CFG), adamw(), pipeline.PP_FSDP, mesh, dropout=False,
-                           grads_fn=pipeline.grads_fn(one_f_one_b(4, 4), mesh))  # fmt: skip
     batches = book_batches(batch_size=16)
-    np.testing.assert_allclose(piped.train(batches, 3), one.train(batches, 3), rtol=0, atol=1e-5)
+    expected = one.train(batches, 3)
+    for schedule, shape in ((one_f_one_b(4, 4), (4, 2)), (interleaved(4, 4, 2), (4, 0))):
+        mesh = pipeline.pipeline_mesh(*shape)
+        model = pipeline.placed(create(CFG), mesh, schedule.virtual)
+        piped = Trainer.create(model, adamw(), pipeline.rules_for(mesh), mesh, dropout=False,
+                               grads_fn=pipeline.grads_fn(schedule, mesh))  # fmt: skip
+        np.testing.assert_allclose(piped.train(batches, 3), expected, rtol=0, atol=1e-5)
 
 
 def test_bad_pipelines_are_refused(reference) -> None:
     mesh = pipeline.pipeline_mesh(4)
     model = placed(mesh)
-    with pytest.raises(ScheduleError, match="GPipe or 1F1B"):
-        pipeline.loss_and_grads(model, TOKENS, interleaved(4, 8, 2), mesh)
+    with pytest.raises(ScheduleError, match="8 layers cannot be split into 12"):
+        pipeline.loss_and_grads(model, TOKENS, interleaved(4, 8, 3), mesh)
     with pytest.raises(ScheduleError, match="the schedule has 2 stages, the mesh 4"):
         pipeline.loss_and_grads(model, TOKENS, gpipe(2, 4), mesh)
     with pytest.raises(ScheduleError, match="16 rows cannot make 3 micro-batches"):

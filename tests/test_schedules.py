@@ -9,6 +9,7 @@ import pytest
 from nnxscale.schedules import (
     BACKWARD,
     FORWARD,
+    WEIGHTS,
     ScheduleError,
     Task,
     bubble_formula,
@@ -18,6 +19,8 @@ from nnxscale.schedules import (
     simulate,
     split_layers,
     validate,
+    zero_bubble,
+    zero_bubble_formula,
 )
 
 SHAPES = [(2, 2), (2, 8), (4, 4), (4, 8), (4, 16), (8, 8), (8, 32)]
@@ -96,3 +99,45 @@ def test_latency_delays_only_hand_overs() -> None:
     plain, slow = simulate(gpipe(2, 2)), simulate(gpipe(2, 2), latency=0.5)
     assert slow.makespan == plain.makespan + 2 * 0.5  # one hand-over each way on the path
     assert str(Task(FORWARD, 3, 1)) == "F3@1"
+
+
+ZB_COSTS = [(1.0, 1.0, 1.0), (1.0, 1.0, 0.5), (1.0, 1.5, 0.5), (2.0, 1.0, 1.0)]
+
+
+@pytest.mark.parametrize(("f", "b", "w"), ZB_COSTS)
+@pytest.mark.parametrize(("p", "m"), [(1, 4), (2, 2), (2, 8), (3, 5), (4, 4), (4, 16), (8, 32)])
+def test_zero_bubble_is_qi_et_al_s_formula(p, m, f, b, w) -> None:
+    costs = {FORWARD: f, BACKWARD: b, WEIGHTS: w}
+    timeline = simulate(zero_bubble(p, m), lambda t: costs[t.kind])
+    assert timeline.bubble() == pytest.approx(zero_bubble_formula(p, m, f, b, w), abs=1e-12)
+    if p > 1:  # a third of 1F1B's idle time when B = W = F and the backward is B + W
+        whole = simulate(one_f_one_b(p, m), lambda t: f if t.kind == FORWARD else b + w)
+        idle = timeline.bubble() * timeline.makespan, whole.bubble() * whole.makespan
+        assert idle[0] == pytest.approx(idle[1] * (f + b - w) / (f + b + w))
+
+
+def test_zero_bubble_defers_w_and_holds_what_1f1b_holds_at_most() -> None:
+    schedule = zero_bubble(4, 8)
+    validate(schedule)
+    assert schedule.split and not one_f_one_b(4, 8).split
+    assert sum(len(tasks) for tasks in schedule.order) == 3 * 4 * 8
+    assert simulate(schedule).peak_in_flight() == [4] * 4  # 1F1B's peak, on every device
+    for d, tasks in enumerate(schedule.order):  # device d runs W of i after B of i + d
+        for i in range(8 - d):
+            assert tasks.index(Task(WEIGHTS, i, d)) > tasks.index(Task(BACKWARD, i + d, d))
+
+
+def test_zero_bubble_below_p_micro_batches_runs_but_misses_the_formula() -> None:
+    timeline = simulate(zero_bubble(4, 2))
+    assert timeline.bubble() > zero_bubble_formula(4, 2)  # the formula assumes m >= p
+
+
+def test_w_before_its_b_is_a_deadlock() -> None:
+    good = zero_bubble(1, 1)
+    bad = dataclasses.replace(good, order=(tuple(reversed(good.order[0])),))
+    with pytest.raises(ScheduleError, match=r"W0@0 waits for B0@0"):
+        validate(bad)
+    two = zero_bubble(2, 2)
+    missing = dataclasses.replace(two, order=(two.order[0][:-1], two.order[1]))
+    with pytest.raises(ScheduleError, match=r"1 tasks never run, e.g. \['W1@0'\]"):
+        validate(missing)

@@ -16,6 +16,7 @@ from matplotlib.figure import Figure
 
 from nnxscale.schedules import (
     FORWARD,
+    WEIGHTS,
     Schedule,
     Timeline,
     bubble_formula,
@@ -23,6 +24,8 @@ from nnxscale.schedules import (
     interleaved,
     one_f_one_b,
     simulate,
+    zero_bubble,
+    zero_bubble_formula,
 )
 
 SUM = "Σ"
@@ -50,11 +53,18 @@ def _box(
     fontsize: float = 8,
     edgecolor: str = "white",
     linewidth: float = 1.0,
+    hatch: str | None = None,
 ) -> None:
     """A filled rectangle with its label centred in a colour that reads on it."""
     ax.add_patch(
         plt.Rectangle(
-            (x, y), width, height, facecolor=colour, edgecolor=edgecolor, linewidth=linewidth
+            (x, y),
+            width,
+            height,
+            facecolor=colour,
+            edgecolor=edgecolor,
+            linewidth=linewidth,
+            hatch=hatch,
         )
     )
     if label:
@@ -201,9 +211,10 @@ def plot_collectives(blocks: np.ndarray, outputs: Mapping[str, np.ndarray]) -> F
 def plot_timeline(timeline: Timeline, ax: Axes | None = None, makespan: float = 0.0) -> Axes:
     """A Gantt chart of a simulated schedule: a row per device, a box per task, idle left blank.
 
-    Forward passes are light and backward passes dark, coloured by micro-batch and labelled
-    with it (and the virtual stage, as a subscript, when there are several per device).
-    `makespan` sets a common time axis when several charts are compared.
+    Forward passes are light and backward passes dark (a split backward's weight-gradient
+    pass W hatched), coloured by micro-batch and labelled with it (and the virtual stage, as
+    a subscript, when there are several per device). `makespan` sets a common time axis
+    when several charts are compared.
     """
     schedule = timeline.schedule
     ax = ax or plt.subplots(figsize=(10, 0.5 * schedule.devices + 1))[1]
@@ -214,7 +225,19 @@ def plot_timeline(timeline: Timeline, ax: Axes | None = None, makespan: float = 
             colour = colours(2 * (task.micro % 10) + (1 if forward else 0))
             label = f"{task.micro}" if schedule.virtual == 1 else f"{task.micro}$_{task.stage}$"
             size = 8 if end - start >= 0.9 else 6.5
-            _box(ax, start, d - 0.42, end - start, 0.84, colour, label, size, linewidth=0.8)
+            hatch = "///" if task.kind == WEIGHTS else None
+            _box(
+                ax,
+                start,
+                d - 0.42,
+                end - start,
+                0.84,
+                colour,
+                label,
+                size,
+                linewidth=0.8,
+                hatch=hatch,
+            )
     ax.set_xlim(0, max(makespan, timeline.makespan))
     ax.set_ylim(schedule.devices - 0.5, -0.5)
     ax.set_yticks(range(schedule.devices), [f"device {d}" for d in range(schedule.devices)])
@@ -229,10 +252,11 @@ def plot_timeline(timeline: Timeline, ax: Axes | None = None, makespan: float = 
     return ax
 
 
-def plot_timelines(schedules: Sequence[Schedule]) -> Figure:
+def plot_timelines(schedules: Sequence[Schedule], ticks: bool = False) -> Figure:
     """Schedules simulated and drawn one above the other on one time axis (where each ends is
-    marked), forward light and backward dark."""
-    timelines = [simulate(s) for s in schedules]
+    marked), forward light and backward dark; with `ticks`, one tick per task, as the
+    executor runs them."""
+    timelines = [simulate(s, (lambda task: 1.0) if ticks else None) for s in schedules]
     longest = max(t.makespan for t in timelines)
     rows = sum(s.devices for s in schedules)
     fig, axes = plt.subplots(
@@ -246,15 +270,18 @@ def plot_timelines(schedules: Sequence[Schedule]) -> Figure:
     for ax, timeline in zip(axes[:, 0], timelines, strict=True):
         plot_timeline(timeline, ax, makespan=longest)
     axes[-1, 0].set_xlabel(
-        "time (a forward pass through one device's layers = 1, a backward pass = 2)"
+        "executor clock ticks (one task per tick)"
+        if ticks
+        else "time (a forward pass through one device's layers = 1, a backward pass = 2, B = W = 1)"
     )
     fig.tight_layout()
     return fig
 
 
 def plot_bubbles(devices: int, micro_batches: Sequence[int], virtual: Sequence[int]) -> Figure:
-    """Idle share against micro-batches: the formula (p-1)/(vm+p-1) as lines, and each schedule
-    simulated as points on them (GPipe and 1F1B share v = 1)."""
+    """Idle share against micro-batches: the formula (p-1)/(vm+p-1) as lines, ZB-H1's
+    (p-1)/(3m+p-1) dashed, and each schedule simulated as points on them (GPipe and 1F1B
+    share v = 1)."""
     fig, ax = plt.subplots(figsize=(6.5, 3.4))
     ms = np.arange(1, max(micro_batches) + 1)
     for i, v in enumerate(virtual):
@@ -264,14 +291,21 @@ def plot_bubbles(devices: int, micro_batches: Sequence[int], virtual: Sequence[i
             color=f"C{i}",
             label=f"(p-1)/(vm+p-1), v={v}",
         )
-    markers = {"GPipe": "o", "1F1B": "x"}
+    ax.plot(
+        ms,
+        [zero_bubble_formula(devices, int(m)) for m in ms],
+        color="black",
+        linestyle="--",
+        label="ZB-H1: (p-1)/(3m+p-1)",
+    )
+    markers = {"GPipe": "o", "1F1B": "x", "ZB-H1": "^"}
     seen = set()
     for m in micro_batches:
-        schedules = [gpipe(devices, m), one_f_one_b(devices, m)]
+        schedules = [gpipe(devices, m), one_f_one_b(devices, m), zero_bubble(devices, m)]
         schedules += [interleaved(devices, m, v) for v in virtual if v > 1 and m % devices == 0]
         for schedule in schedules:
             idle = simulate(schedule).bubble()
-            colour = f"C{list(virtual).index(schedule.virtual)}"
+            colour = "black" if schedule.split else f"C{list(virtual).index(schedule.virtual)}"
             ax.plot(
                 m,
                 idle,
@@ -287,6 +321,23 @@ def plot_bubbles(devices: int, micro_batches: Sequence[int], virtual: Sequence[i
     ax.yaxis.set_major_formatter(plt.FuncFormatter(lambda y, _: f"{y:.0%}"))
     ax.set_ylim(0, None)
     ax.set_title(f"Pipeline bubble, p = {devices} devices", fontsize=10)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def plot_temporaries(measured: Mapping[str, Mapping[int, int]]) -> Figure:
+    """Compiled temporary bytes per device against micro-batches m, a line per schedule:
+    `measured[schedule name][m]`."""
+    fig, ax = plt.subplots(figsize=(6.5, 3.4))
+    for i, (name, by_m) in enumerate(measured.items()):
+        ms = sorted(by_m)
+        ax.plot(ms, [by_m[m] / 2**20 for m in ms], marker="os^dx"[i % 5], label=name)
+    ax.set_xlabel("micro-batches m (each of the same size)")
+    ax.set_ylabel("XLA temporaries per device (MiB)")
+    ax.set_xticks(sorted({m for by_m in measured.values() for m in by_m}))
+    ax.set_ylim(0, None)
+    ax.set_title("Memory of the executed schedules", fontsize=10)
     ax.legend(fontsize=8)
     fig.tight_layout()
     return fig

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import math
 import re
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -291,12 +292,15 @@ class CollectiveReport:
         return f"CollectiveReport({parts or 'no collectives'})"
 
 
-def _walk(text: str) -> Iterator[tuple[str, _Instruction, int, list[_Instruction]]]:
-    """Every instruction a call of the program runs, with how many times it runs: once per
-    loop iteration (the trip count XLA records on a while loop; a loop without one counts
-    once), branches of a conditional as if they ran. Yields (computation, instruction,
-    executions, the computation's instructions)."""
+def _walk(
+    text: str, start: str | None = None
+) -> Iterator[tuple[str, _Instruction, int, list[_Instruction]]]:
+    """Every instruction a call of the program (or of computation `start`) runs, with how many
+    times it runs: once per loop iteration (the trip count XLA records on a while loop; a loop
+    without one counts once), branches of a conditional as if they ran. Yields (computation,
+    instruction, executions, the computation's instructions)."""
     computations, entry = _computations(text)
+    entry = start or entry
 
     def visit(name: str, executions: int, path: tuple[str, ...]):
         instructions = computations.get(name, [])
@@ -373,6 +377,15 @@ def _readers(instructions: list[_Instruction]) -> dict[str, list[str]]:
 _CONTRACTING = re.compile(r"lhs_contracting_dims=\{([\d,]*)\}")
 
 
+def _flops(ins: _Instruction, instructions: list[_Instruction]) -> int:
+    """2 x the output's elements x the contracted size of one dot."""
+    shapes = {i.name: i.shape for i in instructions}
+    lhs = shapes.get(_first_operand(ins.operands)) or ins.operands
+    dims = _ints(_ARRAY.findall(lhs)[0][1])
+    contracted = math.prod(dims[i] for i in _ints(_CONTRACTING.search(ins.attributes)[1]))
+    return 2 * math.prod(_ints(_ARRAY.findall(ins.shape)[0][1])) * contracted
+
+
 def dot_flops(program: object) -> int:
     """FLOPs of the matrix products a compiled program runs per call: 2 x the output's
     elements x the contracted size, for every dot, loop trip counts included.
@@ -381,14 +394,38 @@ def dot_flops(program: object) -> int:
     `cost_analysis()` adds it, and counts a loop's body once whatever its trip count.
     """
     text = program if isinstance(program, str) else program.as_text()
-    total = 0
-    for _, ins, executions, instructions in _walk(text):
-        if ins.opcode != "dot":
-            continue
-        shapes = {i.name: i.shape for i in instructions}
-        lhs = shapes.get(_first_operand(ins.operands)) or ins.operands
-        dims = _ints(_ARRAY.findall(lhs)[0][1])
-        contracted = math.prod(dims[i] for i in _ints(_CONTRACTING.search(ins.attributes)[1]))
-        out = _ARRAY.findall(ins.shape)[0][1]
-        total += executions * 2 * math.prod(_ints(out)) * contracted
-    return total
+    return sum(
+        executions * _flops(ins, instructions)
+        for _, ins, executions, instructions in _walk(text)
+        if ins.opcode == "dot"
+    )
+
+
+@dataclass(frozen=True)
+class BranchWork:
+    """What one branch of a conditional runs each time it is taken."""
+
+    flops: int  # of its matrix products, as `dot_flops` counts them
+    opcodes: Counter[str]  # how often each HLO opcode runs, loops included
+
+
+def branch_work(program: object) -> list[BranchWork]:
+    """The work of each branch of the program's conditional with the most branches (a
+    `lax.switch`), in branch order: which branch computes what, read off the compiled code."""
+    text = program if isinstance(program, str) else program.as_text()
+    conditionals = [
+        [b.strip().lstrip("%") for b in found.split(",")]
+        for _, ins, _, _ in _walk(text)
+        for found in _BRANCHES.findall(ins.attributes)
+    ]
+    if not conditionals:
+        raise ValueError("the program has no conditional (no lax.switch or lax.cond)")
+    work = []
+    for branch in max(conditionals, key=len):
+        flops, opcodes = 0, Counter()
+        for _, ins, executions, instructions in _walk(text, branch):
+            opcodes[ins.opcode] += executions
+            if ins.opcode == "dot":
+                flops += executions * _flops(ins, instructions)
+        work.append(BranchWork(flops, opcodes))
+    return work

@@ -1,7 +1,9 @@
-"""Pipeline schedules as plain data: GPipe, 1F1B and interleaved 1F1B, checked and simulated.
+"""Pipeline schedules as plain data: GPipe, 1F1B, interleaved 1F1B and ZB-H1, checked and simulated.
 
 A schedule says, for each pipeline device, the order in which it runs its tasks: the forward
-or backward pass of one micro-batch through one of its model stages. With `v` virtual stages
+or backward pass of one micro-batch through one of its model stages. A zero-bubble schedule
+splits the backward pass in two: `B`, the input gradient the previous stage waits for, and
+`W`, the weight gradient nobody waits for, which can be deferred. With `v` virtual stages
 per device (interleaving), device `d` holds model stages `d, d + p, d + 2p, ...`. The same
 objects are validated (every task once, on the right device, no deadlock), simulated into a
 timeline with a bubble fraction and the peak number of micro-batches whose activations a
@@ -13,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
-FORWARD, BACKWARD = "F", "B"
+FORWARD, BACKWARD, WEIGHTS = "F", "B", "W"
 
 
 class ScheduleError(ValueError):
@@ -24,7 +26,7 @@ class ScheduleError(ValueError):
 class Task:
     """One pass of one micro-batch through one model stage."""
 
-    kind: str  # FORWARD or BACKWARD
+    kind: str  # FORWARD, BACKWARD (the input gradient, too the weights' unless split) or WEIGHTS
     micro: int
     stage: int  # the model stage, 0 .. p * v - 1
 
@@ -50,6 +52,11 @@ class Schedule:
     def device_of(self, stage: int) -> int:
         """The device that holds model stage `stage`."""
         return stage % self.devices
+
+    @property
+    def split(self) -> bool:
+        """Whether the backward pass is split into B (input gradient) and W (weight gradient)."""
+        return any(task.kind == WEIGHTS for tasks in self.order for task in tasks)
 
 
 def _check(devices: int, micro_batches: int, virtual: int = 1) -> None:
@@ -118,10 +125,37 @@ def interleaved(devices: int, micro_batches: int, virtual: int) -> Schedule:
     )
 
 
+def zero_bubble(devices: int, micro_batches: int) -> Schedule:
+    """ZB-H1 (Qi et al.): 1F1B with each backward split into B and W, device d deferring d Ws.
+
+    Device d keeps 1F1B's warm-up, so it holds no more micro-batches before its first B than
+    1F1B does; it runs the W of micro-batch i only after the B of micro-batch i + d, so the
+    last devices, which wait longest for gradients at the end, fill that wait with their Ws.
+    No device holds more than p micro-batches (1F1B's peak, on device 0).
+    """
+    _check(devices, micro_batches)
+    order = []
+    for d in range(devices):
+        warmup = min(devices - d - 1, micro_batches)
+        tasks = [Task(FORWARD, i, d) for i in range(warmup)]
+        for i in range(micro_batches):
+            if warmup + i < micro_batches:
+                tasks.append(Task(FORWARD, warmup + i, d))
+            tasks.append(Task(BACKWARD, i, d))
+            if i >= d:
+                tasks.append(Task(WEIGHTS, i - d, d))
+        tasks += [Task(WEIGHTS, i, d) for i in range(max(0, micro_batches - d), micro_batches)]
+        order.append(tuple(tasks))
+    return Schedule("ZB-H1", devices, micro_batches, 1, tuple(order))
+
+
 def dependencies(task: Task, stages: int) -> list[Task]:
-    """The tasks that must finish first: the previous stage's forward, the next's backward."""
+    """The tasks that must finish first: the previous stage's forward, the next's backward,
+    and for W the B of the same micro-batch and stage (whose output gradient it reuses)."""
     if task.kind == FORWARD:
         return [Task(FORWARD, task.micro, task.stage - 1)] if task.stage else []
+    if task.kind == WEIGHTS:
+        return [Task(BACKWARD, task.micro, task.stage)]
     after = Task(FORWARD, task.micro, task.stage)
     if task.stage == stages - 1:
         return [after]
@@ -146,12 +180,14 @@ class Timeline:
         return 1 - busy / (self.schedule.devices * self.makespan)
 
     def peak_in_flight(self) -> list[int]:
-        """Per device, the most micro-batch stages whose activations it holds at once."""
+        """Per device, the most micro-batch stages whose activations it holds at once: from
+        the forward pass to the last pass that needs them (B, or W when the backward is split)."""
+        release = WEIGHTS if self.schedule.split else BACKWARD
         peaks = []
         for device in self.runs:
             held = peak = 0
             for task, _, _ in device:
-                held += 1 if task.kind == FORWARD else -1
+                held += {FORWARD: 1, release: -1}.get(task.kind, 0)
                 peak = max(peak, held)
             peaks.append(peak)
         return peaks
@@ -162,13 +198,14 @@ def simulate(
 ) -> Timeline:
     """Run the schedule in time: a task starts once its device is free and its inputs arrived.
 
-    `cost` gives a task's duration (default: forward 1 and backward 2, divided by v, so a
-    micro-batch's whole pass costs the same at every v); `latency` delays every hand-over
-    between devices. Raises ScheduleError on a deadlock, naming the stuck tasks.
+    `cost` gives a task's duration (default: forward 1 and backward 2, or B 1 and W 1 when
+    split, divided by v, so a micro-batch's whole pass costs the same at every v); `latency`
+    delays every hand-over between devices. Raises ScheduleError on a deadlock, naming the
+    stuck tasks.
     """
     _check_tasks(schedule)
-    v = schedule.virtual
-    cost = cost or (lambda t: (1.0 if t.kind == FORWARD else 2.0) / v)
+    v, whole = schedule.virtual, 1.0 if schedule.split else 2.0
+    cost = cost or (lambda t: (whole if t.kind == BACKWARD else 1.0) / v)
     done: dict[Task, tuple[int, float]] = {}
     position = [0] * schedule.devices
     free = [0.0] * schedule.devices
@@ -216,7 +253,7 @@ def _check_tasks(schedule: Schedule) -> None:
     """Raise ScheduleError unless every task appears exactly once, on the device of its stage."""
     expected = {
         Task(kind, i, s)
-        for kind in (FORWARD, BACKWARD)
+        for kind in (FORWARD, BACKWARD, WEIGHTS)[: 3 if schedule.split else 2]
         for i in range(schedule.micro_batches)
         for s in range(schedule.stages)
     }
@@ -241,6 +278,15 @@ def _check_tasks(schedule: Schedule) -> None:
 def bubble_formula(devices: int, micro_batches: int, virtual: int = 1) -> float:
     """The idle share the literature gives: (p - 1) / (v m + p - 1)."""
     return (devices - 1) / (virtual * micro_batches + devices - 1)
+
+
+def zero_bubble_formula(
+    devices: int, micro_batches: int, f: float = 1.0, b: float = 1.0, w: float = 1.0
+) -> float:
+    """ZB-H1's idle share: (p-1)(f+b-w) / (m(f+b+w) + (p-1)(f+b-w)), Qi et al.'s bubble
+    (p-1)(T_F+T_B-T_W) over the makespan; with f = b = w, (p-1) / (3m+p-1)."""
+    idle = (devices - 1) * (f + b - w)
+    return idle / (micro_batches * (f + b + w) + idle)
 
 
 def split_layers(layers: int, stages: int) -> list[range]:
