@@ -20,13 +20,22 @@ from nnxscale.figures import (
     plot_saves,
     plot_sharding,
     plot_shardings,
+    plot_temporaries,
     plot_timeline,
     plot_timelines,
     plot_topology,
     shard_blocks,
 )
 from nnxscale.mesh import make_mesh
-from nnxscale.schedules import bubble_formula, gpipe, interleaved, one_f_one_b, simulate
+from nnxscale.schedules import (
+    bubble_formula,
+    gpipe,
+    interleaved,
+    one_f_one_b,
+    simulate,
+    zero_bubble,
+    zero_bubble_formula,
+)
 
 matplotlib.use("Agg")
 
@@ -70,11 +79,17 @@ def test_plots_draw_one_patch_per_block(mesh) -> None:
     assert len(plot_mesh(make_mesh((8,), ("ring",))).patches) == 8
 
 
-@pytest.mark.parametrize("schedule", [one_f_one_b(4, 8), interleaved(4, 8, 2)], ids=["1F1B", "v2"])
+SCHEDULES = [one_f_one_b(4, 8), interleaved(4, 8, 2), zero_bubble(4, 8)]
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES, ids=["1F1B", "v2", "ZB"])
 def test_timeline_draws_a_box_per_task(schedule) -> None:
     timeline = simulate(schedule)
     ax = plot_timeline(timeline)
-    assert len(ax.patches) == 2 * schedule.micro_batches * schedule.stages
+    kinds = 3 if schedule.split else 2
+    assert len(ax.patches) == kinds * schedule.micro_batches * schedule.stages
+    hatched = [patch for patch in ax.patches if patch.get_hatch()]
+    assert len(hatched) == (schedule.micro_batches * schedule.stages if schedule.split else 0)
     assert ax.get_xlim() == (0, timeline.makespan)
     assert f"idle {timeline.bubble():.1%}" in ax.get_title(loc="left")
 
@@ -103,6 +118,9 @@ def test_timelines_share_one_time_axis() -> None:
     longest = max(simulate(s).makespan for s in schedules)
     assert {ax.get_xlim() for ax in fig.axes} == {(0, longest)}
     assert simulate(schedules[1]).makespan < longest  # interleaving ends first, visibly
+    ticks = plot_timelines(schedules, ticks=True)  # the executor's clock: one tick per task
+    longest = max(simulate(s, lambda t: 1.0).makespan for s in schedules)
+    assert {ax.get_xlim() for ax in ticks.axes} == {(0, longest)}
 
 
 def test_bubbles_are_simulated_on_the_formula() -> None:
@@ -113,9 +131,15 @@ def test_bubbles_are_simulated_on_the_formula() -> None:
         if len(line.get_xdata()) == 1
         for x, y in zip(line.get_xdata(), line.get_ydata(), strict=True)
     ]
-    assert len(points) == 2 * 2 + 2  # GPipe and 1F1B at m = 4 and 8, interleaved at both
+    assert len(points) == 3 * 2 + 2  # GPipe, 1F1B, ZB-H1 at m = 4 and 8, interleaved at both
     formulas = {bubble_formula(4, int(x), v) for x, _ in points for v in (1, 2)}
+    formulas |= {zero_bubble_formula(4, int(x)) for x, _ in points}
     assert all(any(abs(y - f) < 1e-12 for f in formulas) for _, y in points)
+
+
+def test_temporaries_draw_a_line_per_schedule() -> None:
+    ax = plot_temporaries({"GPipe": {8: 2**20, 16: 2**21}, "1F1B": {8: 2**20, 16: 2**20}}).axes[0]
+    assert [list(line.get_ydata()) for line in ax.get_lines()] == [[1.0, 2.0], [1.0, 1.0]]
 
 
 @pytest.mark.parametrize(("again", "boxes"), [(True, 3 * 4 + 2 * 4), (False, 2 * 4 + 2 * 4)])

@@ -8,7 +8,7 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from nnxscale.hlo import collectives, dot_flops, result_types, shape_bytes
+from nnxscale.hlo import branch_work, collectives, dot_flops, result_types, shape_bytes
 from nnxscale.mesh import make_mesh
 
 N = 8
@@ -247,6 +247,22 @@ def test_dot_flops_count_every_product_and_loop_iteration():
     program = jax.jit(looped).lower(a, b).compile()
     per_iteration = 2 * 16 * 16 * 4 + 2 * 8 * 16 * 16
     assert dot_flops(program) in (5 * per_iteration, 2 * 16 * 16 * 4 + 5 * 2 * 8 * 16 * 16)
+
+
+def test_branch_work_reads_each_switch_branch_off_the_program() -> None:
+    a, b = jnp.ones((8, 16)), jnp.ones((16, 4))
+
+    def looped(a, b):
+        return jax.lax.fori_loop(0, 3, lambda _, x: x @ (b @ b.T), a)[:, :4]
+
+    def program(i, a, b):
+        return jax.lax.switch(i, (lambda a, b: a[:, :4], lambda a, b: a @ b, looped), a, b)
+
+    work = branch_work(jax.jit(program).lower(0, a, b).compile())
+    assert [w.flops for w in work[:2]] == [0, 2 * 8 * 4 * 16]
+    assert work[2].flops >= 3 * 2 * 8 * 16 * 16 and work[1].opcodes["dot"] == 1
+    with pytest.raises(ValueError, match="no conditional"):
+        branch_work(jax.jit(lambda a, b: a @ b).lower(a, b).compile())
 
 
 def test_a_collective_keeps_its_result_shape(ring, vector):
