@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import re
@@ -88,8 +89,10 @@ def _parse_instruction(line: str) -> _Instruction | None:
     return _Instruction(name, shape, opcode, rest[paren + 1 : close - 1], rest[close:])
 
 
+@functools.lru_cache(maxsize=4)
 def _computations(text: str) -> tuple[dict[str, list[_Instruction]], str]:
-    """The HLO module's computations by name, and the name of its entry computation."""
+    """The HLO module's computations by name, and the name of its entry computation (parsed
+    once per program text: callers only read the result)."""
     computations: dict[str, list[_Instruction]] = {}
     entry, current = "", None
     for line in text.splitlines():

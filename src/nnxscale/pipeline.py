@@ -123,6 +123,12 @@ class Branch:
     last: bool
     split: bool  # BACKWARD is the input gradient alone (a zero-bubble schedule)
 
+    @classmethod
+    def of(cls, task: Task, schedule: Schedule) -> Branch:
+        """The branch that runs `task` of `schedule`."""
+        last = schedule.stages - 1
+        return cls(task.kind, task.stage == 0, task.stage == last, schedule.split)
+
     def __str__(self) -> str:
         role = {(True, True): "only", (True, False): "first", (False, True): "last"}
         return f"{self.kind}{'(input)' if self.split and self.kind == BACKWARD else ''}" + (
@@ -199,7 +205,7 @@ def tick_table(schedule: Schedule) -> Ticks:
     }
     x_slot_of, x_slots = _slots(list(x_lives.values()), p)
     g_slot_of, g_slots = _slots(list(g_lives.values()), p)
-    roles = {t: Branch(t.kind, t.stage == 0, t.stage == stages - 1, schedule.split) for t in at}
+    roles = {task: Branch.of(task, schedule) for task in at}
     kinds = (FORWARD, BACKWARD, WEIGHTS)
     branches = sorted(set(roles.values()), key=lambda b: (kinds.index(b.kind), b.last, not b.first))
     columns = {
