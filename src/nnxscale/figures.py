@@ -336,7 +336,6 @@ def plot_temporaries(measured: Mapping[str, Mapping[int, int]]) -> Figure:
     ax.set_xlabel("micro-batches m (each of the same size)")
     ax.set_ylabel("XLA temporaries per device (MiB)")
     ax.set_xticks(sorted({m for by_m in measured.values() for m in by_m}))
-    ax.set_ylim(0, None)
     ax.set_title("Memory of the executed schedules", fontsize=10)
     ax.legend(fontsize=8)
     fig.tight_layout()
