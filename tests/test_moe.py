@@ -47,6 +47,11 @@ def test_routing_respects_capacity_and_accounts_for_every_assignment(top_k, fact
         assert jnp.allclose(jnp.where(kept_all, gates, 1.0), 1.0, atol=1e-6)
     dropped = float(routing.dropped)
     assert 0 <= dropped < 1
+    # chosen: k distinct experts per token, exactly where dispatch put it (or dropped it)
+    assert routing.chosen.shape == (8, 32, top_k)
+    asked = jax.nn.one_hot(routing.chosen, E).sum(axis=2)  # (groups, tokens, experts)
+    assert (asked.max() == 1) and (routing.dispatch.sum(axis=3) <= asked).all()
+    assert (asked.sum(axis=1) == routing.wanted).all()
 
 
 def test_a_tighter_capacity_drops_more() -> None:

@@ -46,13 +46,15 @@ def capacity(tokens: int, experts: int, top_k: int, factor: float) -> int:
 class Routing:
     """Where each token of a group goes: `dispatch[t, e, c]` is 1 if token t takes slot c of
     expert e, `combine[t, e, c]` its router weight there; per expert, the tokens it was sent
-    (`wanted`) and kept (`kept`); and the load-balancing loss."""
+    (`wanted`) and kept (`kept`); the load-balancing loss; and `chosen[t]`, the k experts
+    token t asked for, first choice first (kept or not)."""
 
     dispatch: jax.Array
     combine: jax.Array
     wanted: jax.Array
     kept: jax.Array
     aux_loss: jax.Array
+    chosen: jax.Array
 
     @property
     def dropped(self) -> jax.Array:
@@ -87,13 +89,21 @@ def route(logits: jax.Array, top_k: int, slots: int) -> Routing:
         kept = kept + fits.sum(axis=0)
     first = jax.nn.one_hot(chosen[:, 0], experts, dtype=jnp.float32)
     aux = experts * jnp.sum(first.mean(axis=0) * probs.mean(axis=0))
-    return Routing(dispatch, combine, taken, kept, aux)
+    return Routing(dispatch, combine, taken, kept, aux, chosen)
 
 
 def route_groups(logits: jax.Array, top_k: int, slots: int) -> Routing:
     """`route` for each group of `logits` (groups x tokens x experts), the loss averaged."""
     routing = jax.vmap(partial(route, top_k=top_k, slots=slots))(logits)
     return dataclasses.replace(routing, aux_loss=routing.aux_loss.mean())
+
+
+def route_tokens(x: jax.Array, router: jax.Array, top_k: int, capacity_factor: float) -> Routing:
+    """The routing of `x` (groups x tokens x d) by `router` (d x experts): float32 logits,
+    each group on its own, with `capacity` slots per expert and group."""
+    slots = capacity(x.shape[1], router.shape[1], top_k, capacity_factor)
+    logits = jnp.einsum("gtd,de->gte", x.astype(jnp.float32), router)
+    return route_groups(logits, top_k, slots)
 
 
 def experts_forward(inputs: jax.Array, up: jax.Array, down: jax.Array) -> jax.Array:
@@ -152,9 +162,7 @@ class MoE(nnx.Module):
 
     def routing(self, x: jax.Array) -> Routing:
         """The routing of `x` (groups x tokens x d), each group on its own."""
-        slots = capacity(x.shape[1], self.up.shape[0], self.top_k, self.capacity_factor)
-        logits = jnp.einsum("gtd,de->gte", x.astype(jnp.float32), self.router[...])
-        return route_groups(logits, self.top_k, slots)
+        return route_tokens(x, self.router[...], self.top_k, self.capacity_factor)
 
     def __call__(self, x: jax.Array) -> tuple[jax.Array, Routing]:
         """The layer's output for `x` (groups x tokens x d) and the routing that made it."""
@@ -186,11 +194,8 @@ def expert_parallel_local(
     """The program one device runs inside `jax.shard_map`: route its own group of tokens,
     send each expert's slots to the device that holds the expert (all-to-all), compute its
     experts on every group's slots, send the results back (all-to-all), and combine."""
-    experts = router.shape[1]
-    slots = capacity(x.shape[1], experts, top_k, capacity_factor)
-    logits = jnp.einsum("gtd,de->gte", x.astype(jnp.float32), router)
-    routing = route_groups(logits, top_k, slots)
-    groups, d = x.shape[0], x.shape[-1]
+    routing = route_tokens(x, router, top_k, capacity_factor)
+    (groups, _, experts, slots), d = routing.dispatch.shape, x.shape[-1]
     inputs = jnp.einsum("gtec,gtd->egcd", routing.dispatch.astype(x.dtype), x)
     inputs = inputs.reshape(experts, groups * slots, d)  # each expert's slots, every group
     inputs = jax.lax.all_to_all(inputs, axis, split_axis=0, concat_axis=1, tiled=True)
