@@ -12,7 +12,7 @@ from nnxscale.data import Batches, arithmetic_text, encode
 from nnxscale.memory import CompiledMemory, device_bytes
 from nnxscale.model import TINY, create
 from nnxscale.rules import DP, FSDP, FSDP_TP, TP, strategy_mesh
-from nnxscale.train import Trainer, loss_and_grads, params_by_path
+from nnxscale.train import Trainer, loss_and_grads, params_by_path, two_at_a_time
 from nnxscale.trees import largest_difference
 
 STEPS = 4
@@ -116,6 +116,11 @@ def test_mixed_precision_keeps_float32_master_weights() -> None:
     assert np.isfinite(losses).all()
     for leaf in jax.tree.leaves(nnx.state(nnx.merge(run.graphdef, run.state), nnx.Param)):
         assert leaf.dtype == np.float32
+
+
+def test_two_at_a_time_returns_every_result_in_order() -> None:
+    calls = [lambda i=i: jax.jit(lambda x: x * i).lower(1.0).compile()(2.0) for i in range(5)]
+    assert [float(r) for r in two_at_a_time(calls)] == [0.0, 2.0, 4.0, 6.0, 8.0]
 
 
 def test_time_steps_runs_the_steps_it_times() -> None:

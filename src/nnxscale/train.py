@@ -441,11 +441,16 @@ def gradient_shardings(graphdef: nnx.GraphDef, values: nnx.State, layout: Layout
     return resolve(params, layout.rules, layout.mesh, role="grads").shardings()
 
 
-def compile_all(jobs: list[tuple[Trainer, Any]]) -> list[jax.stages.Compiled]:
-    """Each trainer's step compiled for its batch, two at a time: XLA compiles in native
-    threads, so a second compilation overlaps the first one's Python tracing."""
+def two_at_a_time(calls: list[Callable[[], Any]]) -> list[Any]:
+    """The results of `calls` (each a trace and a compilation), two at a time: XLA compiles
+    in native threads, so one call's compilation overlaps the next one's Python tracing."""
     with ThreadPoolExecutor(2) as pool:
-        return list(pool.map(lambda job: job[0].compile(job[1]), jobs))
+        return list(pool.map(lambda call: call(), calls))
+
+
+def compile_all(jobs: list[tuple[Trainer, Any]]) -> list[jax.stages.Compiled]:
+    """Each trainer's step compiled for its batch, two at a time (`two_at_a_time`)."""
+    return two_at_a_time([partial(trainer.compile, batch) for trainer, batch in jobs])
 
 
 def _under_mesh(
