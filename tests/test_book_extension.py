@@ -164,3 +164,31 @@ def test_outside_a_git_checkout_paths_stay_unlinked(tmp_path: Path) -> None:
     (tmp_path / "benchmarks" / "fsdp.py").write_text("")
     assert ext.link_target("benchmarks/fsdp.py", fake_app(tmp_path)) is None
     assert ext.link_target("jax.jit", fake_app(tmp_path)) == ext.JAX + "jax.jit.html"
+
+
+def test_a_chapter_executed_ahead_is_taken_not_run_again(tmp_path: Path) -> None:
+    """Two chapters execute ahead in real kernels; reading takes each one's outputs."""
+    import nbformat
+
+    chapters = tmp_path / "chapters"
+    chapters.mkdir()
+    for name, code in (("a", "print(6 * 7)"), ("b", "raise RuntimeError('boom')")):
+        (chapters / f"{name}.md").write_text(
+            f"# {name}\n\n```{{code-cell}} ipython3\n{code}\n```\n"
+        )
+    config = SimpleNamespace(nb_execution_mode="force", nb_execution_timeout=60,
+                             nb_execution_allow_errors=False)  # fmt: skip
+    env = SimpleNamespace(doc2path=lambda doc: tmp_path / f"{doc}.md")
+    ext.execute_ahead(SimpleNamespace(config=config), env, ["intro", "chapters/a", "chapters/b"])
+    assert len(ext._executions) == 2
+
+    def reading(code: str) -> nbformat.NotebookNode:  # what myst-nb reads: no outputs yet
+        return nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(code)])
+
+    good = ext._executed(reading("print(6 * 7)"), None, 60, False)
+    assert good.err is None and good.nb.cells[0].outputs[0]["text"] == "42\n"
+    bad = ext._executed(reading("raise RuntimeError('boom')"), None, 60, False)
+    assert "boom" in bad.exc_string and not ext._executions
+    # A notebook nobody started is executed when read, as myst-nb would.
+    fresh = ext._executed(reading("print(1)"), str(tmp_path), 60, False)
+    assert fresh.nb.cells[0].outputs[0]["text"] == "1\n"

@@ -8,6 +8,11 @@ Sphinx re-reads (so myst-nb re-executes) only documents whose source changed. Th
 outputs also depend on the library under src/, the pinned packages and the device count, so
 when any of those changed since the last build, or a chapter's last execution failed, every
 affected chapter is executed again. `jupyter-book build .` is then never stale.
+
+Sphinx reads documents one at a time, and myst-nb executes a chapter when it reads it. The
+chapters to read are known before the first is read, so they start executing then, two at a
+time, each in its own kernel; myst-nb's executor then takes a chapter's finished execution
+instead of running it again (the same function, the same arguments, only earlier).
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import os
 import re
 import shutil
 import subprocess
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 from docutils import nodes
@@ -63,6 +69,69 @@ def outdated_chapters(
         ]
     env.nnxscale_inputs_digest = digest
     return [*stale, STATUS_PAGE] if stale or added or changed else []
+
+
+AHEAD = 2
+"""Chapters executed at once ahead of reading: one per core of the book's 2-core machines."""
+
+_executions: dict[tuple[str, ...], Future] = {}
+_pools: list[ThreadPoolExecutor] = []
+
+
+def _code(notebook: object) -> tuple[str, ...]:
+    """A notebook's code, which identifies the chapter it came from."""
+    return tuple(cell.source for cell in notebook.cells if cell.cell_type == "code")
+
+
+def execute_ahead(app: Sphinx, env: BuildEnvironment, docnames: list[str]) -> None:
+    """Start executing the chapters Sphinx is about to read, `AHEAD` at a time."""
+    from jupyter_cache.executors.utils import single_nb_execution
+    from myst_nb.core.read import read_myst_markdown_notebook
+
+    config = app.config
+    chapters = [doc for doc in docnames if doc.startswith(CHAPTERS)]
+    if config.nb_execution_mode != "force" or len(chapters) < 2:
+        return
+    pool = ThreadPoolExecutor(AHEAD)
+    _pools.append(pool)
+    for doc in chapters:
+        path = Path(env.doc2path(doc))
+        notebook = read_myst_markdown_notebook(path.read_text(), path=path)
+        _executions[_code(notebook)] = pool.submit(
+            single_nb_execution,
+            notebook,
+            cwd=str(path.parent),
+            timeout=config.nb_execution_timeout,
+            allow_errors=config.nb_execution_allow_errors,
+            meta_override=True,
+        )
+    pool.shutdown(wait=False)
+
+
+def _executed(
+    notebook: object,
+    cwd: str | None,
+    timeout: int | None,
+    allow_errors: bool,
+    meta_override: bool = True,
+    **kwargs: object,
+) -> object:
+    """myst-nb's `single_nb_execution`, taking the execution `execute_ahead` started for this
+    notebook (its outputs copied into `notebook`) or, if none, executing it now."""
+    from jupyter_cache.executors.utils import ExecutionResult, single_nb_execution
+
+    started = _executions.pop(_code(notebook), None)
+    if started is None:
+        return single_nb_execution(notebook, cwd, timeout, allow_errors, meta_override, **kwargs)
+    result = started.result()
+    if result.err is not None:  # the build stops here: start no more chapters
+        for pool in _pools:
+            pool.shutdown(wait=False, cancel_futures=True)
+    code = [[c for c in nb.cells if c.cell_type == "code"] for nb in (notebook, result.nb)]
+    for cell, done in zip(*code, strict=True):
+        cell.outputs, cell.execution_count = done.outputs, done.execution_count
+    notebook.metadata = result.nb.metadata
+    return ExecutionResult(notebook, result.cwd, result.time, result.err, result.exc_string)
 
 
 class EnvironmentTable(SphinxDirective):
@@ -364,6 +433,10 @@ def setup(app: Sphinx) -> dict[str, object]:
     app.add_js_file("nnxscale-tables.js")
     app.connect("doctree-resolved", defer_treescope)
     app.connect("env-get-outdated", outdated_chapters)
+    app.connect("env-before-read-docs", execute_ahead)
+    from myst_nb.core.execute import direct
+
+    direct.single_nb_execution = _executed
     app.connect("config-inited", use_local_mathjax)
     app.connect("build-finished", copy_mathjax)
     # Early: Sphinx stops calling html-page-context handlers at the first that returns a value.
