@@ -56,6 +56,12 @@ def test_first_code_cell_is_the_hidden_setup_cell(md: Path) -> None:
     assert code[0].metadata.get("tags") == ["hide-cell"]
 
 
+@pytest.mark.parametrize("md", CHAPTERS, ids=NAMES)
+def test_every_cell_holds_something(md: Path) -> None:
+    empty = [i for i, c in enumerate(jupytext.read(md).cells) if not c.source.strip()]
+    assert not empty, f"cells {empty} are empty: delete them"
+
+
 def distribution(requirement: str) -> str:
     """The normalised distribution name of a requirement such as `orbax-checkpoint>=0.11`."""
     return re.split(r"[<>=!~\[; ]", requirement, maxsplit=1)[0].lower().replace("_", "-")
