@@ -8,7 +8,14 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from nnxscale.hlo import branch_work, collectives, dot_flops, result_types, shape_bytes
+from nnxscale.hlo import (
+    branch_work,
+    collectives,
+    compiler_passes,
+    dot_flops,
+    result_types,
+    shape_bytes,
+)
 from nnxscale.mesh import make_mesh
 
 N = 8
@@ -271,6 +278,19 @@ def test_a_collective_keeps_its_result_shape(ring, vector):
     assert found.shape.startswith("f32[]")
 
 
+def test_a_collective_knows_the_dimensions_of_each_array_it_moves() -> None:
+    mesh = make_mesh((4,), ("x",), devices=jax.devices()[:4])
+    body = jax.shard_map(
+        lambda a, b: (jax.lax.all_gather(a, "x", tiled=True), jax.lax.psum((a, b), "x")),
+        mesh=mesh,
+        in_specs=(P("x"), P()),
+        out_specs=(P("x"), P()),
+    )
+    report = collectives(jax.jit(body).lower(jnp.ones((8, 3)), jnp.ones(5)).compile())
+    arrays = {c.kind: c.arrays for c in report.collectives}
+    assert arrays == {"all-gather": ((8, 3),), "all-reduce": ((2, 3), (5,))}
+
+
 def test_a_collective_knows_the_shapes_that_read_it() -> None:
     mesh = make_mesh((4,), ("x",), devices=jax.devices()[:4])
     body = jax.shard_map(
@@ -279,3 +299,16 @@ def test_a_collective_knows_the_shapes_that_read_it() -> None:
     report = collectives(jax.jit(body).lower(jnp.ones(16)).compile())
     (reduced,) = [c for c in report.collectives if c.kind == "all-reduce"]
     assert {r.split("{")[0] for r in reduced.readers} == {"f32[2]"}
+
+
+def test_the_cpu_compiler_keeps_an_all_reduce_that_each_device_slices() -> None:
+    """XLA's CPU pipeline, from its own pass log: it partitions, and it has no pass that
+    would turn an all-reduce read only into each device's slice into a reduce-scatter."""
+    log = compiler_passes("cpu", 4)
+    assert log.platform == "cpu" and "spmd-partitioning" in log.passes
+    assert "reduce-scatter-creator" not in log.passes
+    (reduced,) = collectives(log.program).collectives
+    assert reduced.kind == "all-reduce" and reduced.arrays == ((16,),)
+    assert {r.split("{")[0] for r in reduced.readers} == {"f32[4]"}
+    with pytest.raises(RuntimeError, match="compiling on nowhere failed"):
+        compiler_passes("nowhere")

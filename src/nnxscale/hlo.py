@@ -5,7 +5,10 @@ from __future__ import annotations
 import functools
 import itertools
 import math
+import os
 import re
+import subprocess
+import sys
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -233,6 +236,12 @@ class Collective:
         return None
 
     @property
+    def arrays(self) -> tuple[tuple[int, ...], ...]:
+        """The dimensions of each array in its result (several when it works on a tuple): what
+        a chapter matches against the arrays it expects, e.g. a weight's shard."""
+        return tuple(tuple(_ints(dims)) for _, dims in _ARRAY.findall(self.shape))
+
+    @property
     def array_bytes(self) -> int:
         """Bytes of the full array the ring formula takes (a reduce-scatter's input)."""
         if self.kind == "reduce-scatter":
@@ -432,3 +441,48 @@ def branch_work(program: object) -> list[BranchWork]:
                 flops += executions * _flops(ins, instructions)
         work.append(BranchWork(flops, opcodes))
     return work
+
+
+_PASS_PROGRAM = """
+import jax, jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P
+n = jax.device_count()
+mesh = jax.make_mesh((n,), ("x",), axis_types=(jax.sharding.AxisType.Auto,))
+summed = jax.jit(lambda a: a.sum(0), out_shardings=NamedSharding(mesh, P("x")))
+rows = jax.device_put(jnp.ones((n, 4 * n)), NamedSharding(mesh, P("x")))
+print(summed.lower(rows).compile().as_text())
+"""
+_PASS_LINE = re.compile(r"hlo_pass_pipeline\.cc:\d+\]\s+HLO pass ([\w.\-]+)\s*$", re.M)
+
+
+@dataclass(frozen=True)
+class PassLog:
+    """The HLO passes one XLA backend ran on a program, in order, and the program it made."""
+
+    platform: str
+    passes: tuple[str, ...]
+    program: str
+
+
+def compiler_passes(platform: str = "cpu", devices: int = 4) -> PassLog:
+    """The passes XLA's `platform` compiler runs on a sum over devices that each device keeps
+    a slice of (an all-reduce then a slice: the pattern a reduce-scatter creator rewrites),
+    read from XLA's own pass log in a fresh process, so this one's JAX is untouched."""
+    env = {
+        **os.environ,
+        "JAX_PLATFORMS": platform,
+        "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
+        "TF_CPP_MIN_LOG_LEVEL": "0",
+        "TF_CPP_VMODULE": "hlo_pass_pipeline=1",
+    }
+    done = subprocess.run(
+        [sys.executable, "-c", _PASS_PROGRAM], capture_output=True, text=True, env=env, timeout=600
+    )
+    if done.returncode:
+        raise RuntimeError(f"compiling on {platform} failed:\n{done.stderr[-2000:]}")
+    passes = tuple(dict.fromkeys(_PASS_LINE.findall(done.stderr)))
+    if not passes:
+        raise RuntimeError(
+            "XLA logged no passes: this jaxlib does not honour TF_CPP_VMODULE=hlo_pass_pipeline=1"
+        )
+    return PassLog(platform, passes, done.stdout)
