@@ -143,6 +143,36 @@ def test_activation_constraints_apply_only_under_rules_and_outside_shard_map() -
             assert layout.constrain(x, ("batch", "length", "embed")) is x
 
 
+def test_a_table_read_beside_the_batch_stays_off_the_batch_axes() -> None:
+    table, beside = (128, 64), ((16, "batch"),)
+    with nx.activation_rules(nx.FSDP, nx.strategy_mesh(nx.FSDP)):
+        assert layout.activation_spec(table, ("vocab", None))[0] == P("data", None)
+        assert layout.activation_spec(table, ("vocab", None), beside)[0] == P(None, None)
+    with nx.activation_rules(nx.FSDP_TP, nx.strategy_mesh(nx.FSDP_TP)):
+        assert layout.activation_spec(table, ("vocab", None), beside)[0] == P("model", None)
+
+
+def test_fsdp_tp_is_tp_plus_one_gather_per_weight_use() -> None:
+    """FSDP+TP's step: TP's collectives, array for array, and all-gathers of TP's weight
+    shards over `data`, nothing else (no array of the whole batch, no all-to-all)."""
+    batches = nx.book_batches(16)
+    tp, both = cp_trainer(nx.TP), cp_trainer(nx.FSDP_TP)
+    programs = nx.train.compile_all([(t, batches(0, t.batch)) for t in (tp, both)])
+    mesh = both.layout.mesh
+    assert dict(mesh.shape) == {"data": 4, "model": 2}
+    found = [collectives(p).collectives for p in programs]
+
+    def arrays(cs, kind):
+        return sorted((c.mesh_axes(mesh), c.arrays) for c in cs if c.kind == kind)
+
+    assert arrays(found[1], "all-reduce") == arrays(found[0], "all-reduce")
+    shards = {p.shard_shape for p in tp.layout.placements}
+    gathers = [c for c in found[1] if c.kind == "all-gather"]
+    assert gathers and all(c.mesh_axes(mesh) == ("data",) for c in gathers)
+    assert {c.arrays[0] for c in gathers} <= shards
+    assert len(gathers) + len(found[0]) == len(found[1])
+
+
 def test_sequence_parallelism_gathers_the_residual_stream_and_trains_as_tp() -> None:
     batches = nx.book_batches(8)
     tp, sp = cp_trainer(nx.TP), cp_trainer(nx.SP)

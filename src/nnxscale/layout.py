@@ -347,17 +347,23 @@ def _active() -> tuple[Rules, Mesh] | None:
 
 
 def activation_spec(
-    shape: tuple[int, ...], names: tuple[str | None, ...]
+    shape: tuple[int, ...],
+    names: tuple[str | None, ...],
+    beside: tuple[tuple[int, str], ...] = (),
 ) -> tuple[PartitionSpec, Mesh] | None:
     """The partition spec the active rules give an activation of `shape` with logical `names`
-    (names the rules do not know stay whole), and the mesh; None when no rules are active."""
+    (names the rules do not know stay whole), and the mesh; None when no rules are active.
+    `beside` holds (size, name) dimensions placed first and then dropped: an array read
+    alongside them, such as the table a batch's lookup indexes, stays off their mesh axes."""
     active = _active()
     if active is None:
         return None
     rules, mesh = active
-    known = tuple(n if n is not None and n in rules.logical else None for n in names)
-    chosen, _ = _place_logical("activation", tuple(shape), known, rules, mesh)
-    return PartitionSpec(*(_spec_entry(axes) for axes in chosen)), mesh
+    lead = tuple(size for size, _ in beside)
+    every = tuple(name for _, name in beside) + tuple(names)
+    known = tuple(n if n is not None and n in rules.logical else None for n in every)
+    chosen, _ = _place_logical("activation", lead + tuple(shape), known, rules, mesh)
+    return PartitionSpec(*(_spec_entry(axes) for axes in chosen[len(lead) :])), mesh
 
 
 def activation_axis(name: str) -> tuple[str, int] | None:
@@ -373,10 +379,12 @@ def activation_axis(name: str) -> tuple[str, int] | None:
     return first[0], mesh.shape[first[0]]
 
 
-def constrain(x: jax.Array, names: tuple[str | None, ...]) -> jax.Array:
-    """`x` constrained to the layout its logical names get under the active rules; `x`
-    itself when no rules are active."""
-    placed = activation_spec(x.shape, names)
+def constrain(
+    x: jax.Array, names: tuple[str | None, ...], beside: tuple[tuple[int, str], ...] = ()
+) -> jax.Array:
+    """`x` constrained to the layout its logical names get under the active rules (next to
+    the `beside` dimensions, as in `activation_spec`); `x` itself when no rules are active."""
+    placed = activation_spec(x.shape, names, beside)
     if placed is None:
         return x
     spec, mesh = placed

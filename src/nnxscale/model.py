@@ -249,7 +249,10 @@ class Transformer(nnx.Module):
         split = context_split(length)
         if split is not None:
             tokens, where = to_layout(tokens, split), jnp.asarray(split.order(length))
-        x = self.embed[...][tokens] + self.position[...][where]
+        # a lookup follows its table's layout: rows split as the logits' vocabulary, so the
+        # lookup runs on this device's sequences, and columns whole, gathered as a weight
+        table = constrain(self.embed[...], ("vocab", None), beside=((tokens.shape[0], "batch"),))
+        x = table[tokens] + self.position[...][where]
         return constrain(x.astype(jnp.dtype(cfg.compute_dtype)), RESIDUAL)
 
     def routings(self, tokens: jax.Array) -> list[Routing]:
