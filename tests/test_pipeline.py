@@ -156,6 +156,12 @@ def test_stages_compute_only_their_part() -> None:
     # Which device runs which branch is in the table: only the last device runs the head.
     last = [i + 1 for i, b in enumerate(ticks.branches) if b.last]
     assert set(np.nonzero(np.isin(ticks.branch, last))[1]) == {3}
+    # and a simulation can cost each task by its branch's FLOPs
+    cost = pipeline.branch_costs(schedule, run.lower(placed(mesh), TOKENS).compile())
+    first_f = {d: next(t for t in schedule.order[d] if t.kind == "F") for d in (0, 1, 3)}
+    assert [cost(first_f[d]) for d in (0, 1, 3)] == [
+        by_name[f"F {role}"].flops for role in ("first", "middle", "last")
+    ]
 
 
 def test_memory_follows_the_slots_the_table_keeps() -> None:

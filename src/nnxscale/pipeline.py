@@ -32,6 +32,7 @@ from flax import nnx
 from jax.sharding import Mesh, PartitionSpec
 
 from nnxscale.comm import gather_tree
+from nnxscale.hlo import branch_work
 from nnxscale.layout import resolve
 from nnxscale.losses import GradsFn, cross_entropy
 from nnxscale.mesh import make_mesh
@@ -236,6 +237,14 @@ def tick_table(schedule: Schedule) -> Ticks:
     )
 
 
+def branch_costs(schedule: Schedule, program: object) -> Callable[[Task], int]:
+    """Each task's cost in matmul FLOPs, read off the compiled program that runs `schedule`:
+    the work of the branch its tick runs, so a simulation can weigh tasks as compiled."""
+    work = branch_work(program)[1:]  # branch 0 is the idle tick
+    flops = {b: w.flops for b, w in zip(tick_table(schedule).branches, work, strict=True)}
+    return lambda task: flops[Branch.of(task, schedule)]
+
+
 def _run_layers(blocks: nnx.Module, x: jax.Array) -> jax.Array:
     """The stage's stacked layers, whole weights (nothing to gather), in a `lax.scan` unrolled:
     a stage holds a few layers, and XLA compiles them faster unrolled than as a loop."""
@@ -277,9 +286,8 @@ def _chunk(params: nnx.State, chunk: jax.Array, virtual: int) -> nnx.State:
 
 def _add_chunk(grads: nnx.State, g: nnx.State, chunk: jax.Array, virtual: int) -> nnx.State:
     """`grads` plus `g`, the gradients of virtual stage `chunk`'s weights."""
-    total = jax.tree.map(jnp.add, grads, g) if virtual == 1 else grads
     if virtual == 1:
-        return total
+        return jax.tree.map(jnp.add, grads, g)
     size = len(jax.tree.leaves(g["blocks"])[0])
 
     def add(whole: jax.Array, part: jax.Array) -> jax.Array:
