@@ -5,8 +5,11 @@ The model is benchmarks/strategies.py's (3.7 M parameters) with its layers in a 
 batch of 16 x 128 tokens. For each strategy: train-state bytes per device, collective bytes
 sent per step (from the compiled step, loop trip counts included), XLA's temporary bytes and
 the median step time, measured in the same process one strategy after the other and reported
-as ratios to DP. On a CPU the emulated devices share its cores: times show overheads, not
-interconnects.
+as ratios to DP. Each row's bytes sit beside its formula, with P the parameters' bytes and N
+the devices: DP's all-reduce 2(N-1)/N P; the compiler's FSDP in the all-reduce form the CPU
+compiles (it has no reduce-scatter pass: chapter 6), gathers twice plus the all-reduce,
+4(N-1)/N P; by hand, gathering again 3(N-1)/N P, keeping 2(N-1)/N P. On a CPU the emulated
+devices share its cores: times show overheads, not interconnects.
 """
 
 from __future__ import annotations
@@ -40,6 +43,9 @@ def main() -> None:
     emulate_devices(args.devices)
     batches = Batches(encode(arithmetic_text(20_000)), BATCH, LENGTH)
     mesh = strategy_mesh(FSDP)
+    ring = (args.devices - 1) / args.devices  # (N-1)/N
+    formula = {"DP (compiler)": 2 * ring, "FSDP (compiler)": 4 * ring,
+               "FSDP by hand, gather again": 3 * ring, "FSDP by hand, keep": 2 * ring}  # fmt: skip
     runs = {
         "DP (compiler)": (DP, {}),
         "FSDP (compiler)": (FSDP, {}),
@@ -55,21 +61,22 @@ def main() -> None:
         trainer.train(batches, 2)  # warm-up
         times = trainer.time_steps(batches, args.steps, first=100)
         report = collectives(compiled)
+        params = sum(x.size for x in jax.tree.leaves(trainer.state["model"]))
         rows.append(
             [name, trainer.layout.bytes_per_device() / 2**20, report.count(),
-             report.bytes() / 2**20, CompiledMemory.of(compiled).temp / 2**20,
+             report.bytes() / 2**20, formula[name] * 4 * params / 2**20,
+             report.bytes("all-to-all") / 2**20, CompiledMemory.of(compiled).temp / 2**20,
              statistics.median(times) * 1e3]
         )  # fmt: skip
     dp_ms = rows[0][-1]
-    params = sum(x.size for x in jax.tree.leaves(trainer.state["model"]))
     print(f"{params / 1e6:.1f} M parameters, batch {BATCH}x{LENGTH}, {args.devices} devices, "
           f"median of {args.steps} steps")  # fmt: skip
-    header = ["strategy", "state MiB/dev", "collectives", "comm MiB/step", "temp MiB",
-              "step ms", "time / DP"]  # fmt: skip
+    header = ["strategy", "state MiB/dev", "collectives", "comm MiB/step", "formula MiB",
+              "all-to-all MiB", "temp MiB", "step ms", "time / DP"]  # fmt: skip
     print(f"{header[0]:28}" + "".join(f"{h:>15}" for h in header[1:]))
-    for name, state, count, comm, temp, ms in rows:
-        print(f"{name:28}{state:15.2f}{count:15d}{comm:15.2f}{temp:15.1f}{ms:15.1f}"
-              f"{ms / dp_ms:15.2f}")  # fmt: skip
+    for name, state, count, comm, predicted, to_all, temp, ms in rows:
+        print(f"{name:28}{state:15.2f}{count:15d}{comm:15.2f}{predicted:15.2f}{to_all:15.2f}"
+              f"{temp:15.1f}{ms:15.1f}{ms / dp_ms:15.2f}")  # fmt: skip
 
 
 if __name__ == "__main__":
