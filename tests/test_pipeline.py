@@ -57,8 +57,16 @@ def test_interleaving_stores_each_device_s_stages_side_by_side() -> None:
     np.testing.assert_array_equal(pipeline.layer_order(8, 4), np.arange(8))
     model = create(CFG)
     mesh = pipeline.pipeline_mesh(4)
-    stored = nnx.state(pipeline.placed(model, mesh, virtual=2), nnx.Param)
+    interleaving = pipeline.placed(model, mesh, virtual=2)
+    assert interleaving.stored_order == tuple(order)
+    stored = nnx.state(interleaving, nnx.Param)
     back = pipeline.in_model_order(stored, 4, 2)
+    # placing again starts from the model's order: v = 1 gives the model back
+    natural = pipeline.placed(interleaving, mesh, virtual=1)
+    assert natural.stored_order is None
+    for a, b in zip(jax.tree.leaves(nnx.state(natural, nnx.Param)),
+                    jax.tree.leaves(nnx.state(model, nnx.Param)), strict=True):  # fmt: skip
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     for got, want in zip(jax.tree.leaves(back), jax.tree.leaves(nnx.state(model, nnx.Param)),
                          strict=True):  # fmt: skip
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
@@ -209,3 +217,11 @@ def test_bad_pipelines_are_refused(reference) -> None:
         pipeline.pipeline_mesh(8, 4)
     with pytest.raises(ValueError, match="dropout=False"):
         pipeline.grads_fn(gpipe(4, 4), mesh)(model, TOKENS, jax.random.key(0))
+    # a model stored for one interleaving is refused by another, and not run as a model
+    two = placed(mesh, virtual=2)
+    with pytest.raises(ScheduleError, match=r"place the model with .*virtual=1"):
+        pipeline.loss_and_grads(two, TOKENS, gpipe(4, 4), mesh)
+    with pytest.raises(ScheduleError, match="virtual=2"):
+        pipeline.loss_and_grads(model, TOKENS, interleaved(4, 8, 2), mesh)
+    with pytest.raises(ValueError, match="stored in a pipeline's order"):
+        two(TOKENS[:, :-1])

@@ -210,6 +210,10 @@ def _stacked_blocks(cfg: Config, rngs: nnx.Rngs) -> Block:
 class Transformer(nnx.Module):
     """Decoder-only language model: token and position embeddings, blocks, norm, output head."""
 
+    stored_order: tuple[int, ...] | None = None
+    """Which model layer each stored layer is, when a pipeline stores the stacked layers out of
+    order (`nnxscale.pipeline.placed`); None while they are in the model's own order."""
+
     def __init__(self, cfg: Config, *, rngs: nnx.Rngs) -> None:
         self.cfg = cfg
         self.embed = _param(rngs, (cfg.vocab, cfg.embed), ("vocab", "embed"), 1)
@@ -287,6 +291,13 @@ class Transformer(nnx.Module):
             if self.cfg.remat
             else (lambda block, h, key: block.with_aux(h, key))
         )
+        if self.stored_order is not None:
+            raise ValueError(
+                f"this model's layers are stored in a pipeline's order {self.stored_order}, "
+                "and run in that order they are another model: run it through "
+                "nnxscale.pipeline.loss_and_grads, or put them back with "
+                "nnxscale.pipeline.placed(model, mesh, virtual=1)"
+            )
         total = jnp.zeros((), jnp.float32)
         if not self.cfg.scan_layers:
             for i, block in enumerate(self.blocks):

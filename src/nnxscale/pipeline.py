@@ -107,12 +107,19 @@ def in_model_order(state: nnx.State, devices: int, virtual: int = 1) -> nnx.Stat
 
 def placed(model: Transformer, mesh: Mesh, virtual: int = 1) -> Transformer:
     """`model` with its arrays moved into the layout the executor expects on `mesh`: with
-    `virtual` stages per device, the layers stored in `layer_order` (once, not every step)."""
+    `virtual` stages per device, the layers stored in `layer_order` (once, not every step).
+    The model records the order (`Transformer.stored_order`), so a schedule with another
+    `virtual` is refused, and placing a placed model again starts from the model's order."""
     graphdef, state = nnx.split(model)
-    if virtual > 1:
-        order = layer_order(model.cfg.layers, mesh.shape[STAGE], virtual)
+    if model.stored_order is not None:
+        state = _permute_layers(state, np.argsort(model.stored_order))
+    order = layer_order(model.cfg.layers, mesh.shape[STAGE], virtual)
+    natural = np.array_equal(order, np.arange(len(order)))  # v = 1, or one stage
+    if not natural:
         state = _permute_layers(state, order)
-    return nnx.merge(graphdef, place(state, resolve(state, rules_for(mesh), mesh).shardings()))
+    out = nnx.merge(graphdef, place(state, resolve(state, rules_for(mesh), mesh).shardings()))
+    out.stored_order = None if natural else tuple(int(i) for i in order)
+    return out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -440,6 +447,15 @@ def _check(model: Transformer, batch: jax.Array, schedule: Schedule, mesh: Mesh)
     if schedule.devices != p:
         raise ScheduleError(f"the schedule has {schedule.devices} stages, the mesh {p}")
     split_layers(model.cfg.layers, schedule.stages)  # raises if the layers do not divide
+    wanted = tuple(int(i) for i in layer_order(model.cfg.layers, p, schedule.virtual))
+    stored = model.stored_order or tuple(range(model.cfg.layers))
+    if wanted != stored:
+        raise ScheduleError(
+            f"the schedule runs {schedule.virtual} virtual stage(s) per device, and the model's "
+            f"layers are not stored for it (stored order {stored}, needed {wanted}): "
+            f"place the model with nnxscale.pipeline.placed(model, mesh, "
+            f"virtual={schedule.virtual})"
+        )
     if batch.shape[0] % m:
         raise ScheduleError(f"a batch of {batch.shape[0]} rows cannot make {m} micro-batches")
 
