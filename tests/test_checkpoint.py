@@ -13,7 +13,7 @@ import optax
 import pytest
 from flax import nnx
 
-from nnxscale import cli
+from nnxscale import cli, pipeline
 from nnxscale.checkpoint import (
     PARTIAL,
     CheckpointMismatchError,
@@ -29,6 +29,7 @@ from nnxscale.init import abstract
 from nnxscale.layout import resolve
 from nnxscale.model import TINY, Config, Transformer, create
 from nnxscale.rules import DP, FSDP, TP, strategy_mesh
+from nnxscale.schedules import interleaved
 from nnxscale.train import Trainer, TrainState, adamw
 
 BATCHES = book_batches(batch_size=16)
@@ -77,6 +78,7 @@ def test_record_describes_the_run(run) -> None:
     assert "| model | Config() (the defaults) |" in shown
     assert "| rule set | FSDP (vocab: data, embed: data, heads: replicated," in shown
     assert "next_batch 6" in shown
+    assert record.layer_order is None and "| layers stored | the model's order |" in shown
 
 
 def test_restores_bit_for_bit_on_the_same_mesh(run) -> None:
@@ -283,3 +285,28 @@ def test_resume_from_the_command_line_after_a_crash(tmp_path: Path) -> None:
     assert redone == {2: crash.losses[2], 3: crash.losses[3]}
     assert {e["step"]: e["sums"] for e in cli.events(out, "checksums")}[4] == crash.checksums[4]
     assert np.isfinite(list(redone.values())).all()
+
+
+def test_a_pipeline_s_layer_order_travels_with_its_checkpoint(tmp_path: Path) -> None:
+    """Layers an interleaved pipeline stored out of order are restored in that order, with the
+    order; a model that keeps them in its own order is refused, not given permuted layers."""
+    cfg, mesh = TINY.replace(layers=8, scan_layers=True), pipeline.pipeline_mesh(4)
+    schedule = interleaved(4, 4, 2)
+    options = {"dropout": False, "grads_fn": pipeline.grads_fn(schedule, mesh)}
+    rules = pipeline.rules_for(mesh)
+    model = pipeline.placed(create(cfg), mesh, virtual=2)
+    trainer = Trainer.create(model, adamw(), rules, mesh, **options)
+    trainer.train(BATCHES, 1)
+    checkpoints = Checkpoints(tmp_path)
+    checkpoints.save(trainer, BATCHES)
+    checkpoints.wait()
+    assert checkpoints.record().layer_order == list(model.stored_order)
+    resumed = checkpoints.restore(Transformer.from_config, adamw(), rules, mesh, **options)
+    assert resumed.model().stored_order == model.stored_order
+    # the same program on the same state and batch: the same loss, bit for bit
+    assert resumed.train(BATCHES, 1) == trainer.train(BATCHES, 1)
+    natural = Trainer.create(create(cfg), adamw(), rules, mesh, **options)
+    with pytest.raises(CheckpointMismatchError, match="out of order"):
+        checkpoints.restore(create(cfg), adamw(), rules, mesh, **options)
+    with pytest.raises(CheckpointMismatchError, match="the model's own order"):
+        checkpoints.restore_into(natural)

@@ -73,6 +73,9 @@ class Record:
     data: dict[str, Any] | None
     saved_at: float
     versions: dict[str, str]
+    layer_order: list[int] | None = None
+    """The order a pipeline stored the stacked layers in (`Transformer.stored_order`); None in
+    the model's own order, and in checkpoints written before it was recorded."""
 
     @property
     def devices(self) -> int:
@@ -100,10 +103,39 @@ class Record:
             ["rule set", f"{self.rules['name']} ({logical})"],
             ["mesh", f"{self.mesh}: {self.devices} devices in {self.processes} process(es)"],
             ["data", ", ".join(f"{k} {str(v)[:12]}" for k, v in data.items()) or "not recorded"],
+            [
+                "layers stored",
+                "the model's order"
+                if self.layer_order is None
+                else f"a pipeline's order {self.layer_order}",
+            ],
             ["saved at", time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(self.saved_at))],
             ["written by", ", ".join(f"{k} {v}" for k, v in self.versions.items())],
         ]
         return str(table(["field", "value"], rows))
+
+
+def stored_order(model: nnx.Module) -> list[int] | None:
+    """The order `model` stores its stacked layers in, if a pipeline changed it."""
+    order = getattr(model, "stored_order", None)
+    return None if order is None else [int(i) for i in order]
+
+
+def check_layer_order(record: Record, model: nnx.Module) -> None:
+    """Refuse to restore layers stored in one order into a model that runs them in another."""
+    if record.layer_order == stored_order(model):
+        return
+
+    def said(order: list[int] | None) -> str:
+        return "the model's own order" if order is None else f"the pipeline's order {order}"
+
+    raise CheckpointMismatchError(
+        f"the checkpoint of step {record.step} stores the stacked layers in "
+        f"{said(record.layer_order)}, and the model to restore into keeps them in "
+        f"{said(stored_order(model))}: restored, they would run out of order. Place the model "
+        "as the run that saved it did (nnxscale.pipeline.placed with its virtual stages), or "
+        "give Transformer.from_config, which takes the order from the checkpoint."
+    )
 
 
 def record_of(trainer: Trainer, data: Batches | None) -> Record:
@@ -123,6 +155,7 @@ def record_of(trainer: Trainer, data: Batches | None) -> Record:
         data=position,
         saved_at=time.time(),
         versions=installed,
+        layer_order=stored_order(state.model),
     )
 
 
@@ -428,6 +461,9 @@ class Checkpoints:
                 structure = nnx.merge(graphdef, jax.tree.map(stand_in, values))
             else:
                 structure = model(record.config)
+                if record.layer_order is not None:  # stored as the pipeline that saved it
+                    structure.stored_order = tuple(record.layer_order)
+            check_layer_order(record, structure)
             return TrainState(structure, tx, ema_decay=record.ema_decay)
 
         graphdef, values = nnx.split(abstract(create_state))
@@ -451,6 +487,7 @@ class Checkpoints:
         record = self.record(step)
         if data is not None:
             check_data(record, data)
+        check_layer_order(record, trainer.model())
         target = restore_target(trainer.state, trainer.layout.shardings())
         trainer.state = self.restore_state(target, record.step)
         return trainer
