@@ -9,6 +9,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from nnxscale.hlo import (
+    arrays_moved,
     branch_work,
     collectives,
     compiler_passes,
@@ -289,6 +290,9 @@ def test_a_collective_knows_the_dimensions_of_each_array_it_moves() -> None:
     report = collectives(jax.jit(body).lower(jnp.ones((8, 3)), jnp.ones(5)).compile())
     arrays = {c.kind: c.arrays for c in report.collectives}
     assert arrays == {"all-gather": ((8, 3),), "all-reduce": ((2, 3), (5,))}
+    assert [c.kind for c in report.along(mesh, "all-reduce", ("x",))] == ["all-reduce"]
+    assert report.along(mesh, "all-to-all", ("x",)) == []
+    assert arrays_moved(report.collectives) == {(8, 3): 1, (2, 3): 1, (5,): 1}
 
 
 def test_a_collective_knows_the_shapes_that_read_it() -> None:

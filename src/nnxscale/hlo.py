@@ -10,7 +10,7 @@ import re
 import subprocess
 import sys
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -256,6 +256,12 @@ class Collective:
         return self.executions * ring_bytes(self.kind, self.array_bytes, self.group_size)
 
 
+def arrays_moved(found: Iterable[Collective]) -> Counter[tuple[int, ...]]:
+    """How often one call moves an array of each shape through `found`, loops included: what
+    a chapter matches against the arrays a formula names."""
+    return Counter(a for c in found for a in c.arrays * c.executions)
+
+
 class CollectiveReport:
     """The collectives of one compiled program: counts and bytes per kind."""
 
@@ -280,6 +286,10 @@ class CollectiveReport:
     def bytes(self, kind: str | None = None) -> float:
         """Bytes each device sends in collectives (of `kind`) per call, by the ring formulas."""
         return sum(c.sent_bytes for c in self._select(kind))
+
+    def along(self, mesh: Mesh, kind: str, axes: tuple[str, ...]) -> list[Collective]:
+        """The collectives of `kind` whose groups run along exactly the mesh `axes`."""
+        return [c for c in self._select(kind) if c.mesh_axes(mesh) == axes]
 
     def by_axes(self, mesh: Mesh) -> dict[tuple[str, tuple[str, ...] | None], int]:
         """Array bytes per call for each (kind, mesh axes it runs over): where the bytes go."""
