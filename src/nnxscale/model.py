@@ -286,11 +286,6 @@ class Transformer(nnx.Module):
     def run_blocks(self, x: jax.Array, keys: jax.Array | None) -> tuple[jax.Array, jax.Array]:
         """Every block in turn (a Python loop, or a scan over stacked blocks), remat if set;
         the output and the sum of the layers' load-balancing losses."""
-        apply: Callable[[Block, jax.Array, jax.Array | None], tuple[jax.Array, jax.Array]] = (
-            nnx.remat(lambda block, h, key: block.with_aux(h, key))
-            if self.cfg.remat
-            else (lambda block, h, key: block.with_aux(h, key))
-        )
         if self.stored_order is not None:
             raise ValueError(
                 f"this model's layers are stored in a pipeline's order {self.stored_order}, "
@@ -298,6 +293,11 @@ class Transformer(nnx.Module):
                 "nnxscale.pipeline.loss_and_grads, or put them back with "
                 "nnxscale.pipeline.placed(model, mesh, virtual=1)"
             )
+        apply: Callable[[Block, jax.Array, jax.Array | None], tuple[jax.Array, jax.Array]] = (
+            nnx.remat(lambda block, h, key: block.with_aux(h, key))
+            if self.cfg.remat
+            else (lambda block, h, key: block.with_aux(h, key))
+        )
         total = jnp.zeros((), jnp.float32)
         if not self.cfg.scan_layers:
             for i, block in enumerate(self.blocks):
