@@ -9,7 +9,16 @@ import pytest
 from flax import nnx
 
 from nnxscale.init import abstract
-from nnxscale.model import BENCH, LOGICAL_AXES, TINY, Transformer, count_params, create
+from nnxscale.model import (
+    BENCH,
+    LOGICAL_AXES,
+    TINY,
+    Transformer,
+    compute_copy,
+    count_params,
+    create,
+    remat_policy,
+)
 
 TOKENS = jnp.arange(2 * 16).reshape(2, 16) % TINY.vocab
 
@@ -61,8 +70,8 @@ def stacked_from_list(listed: Transformer) -> Transformer:
     return scanned
 
 
-@pytest.mark.parametrize("remat", [False, True])
-def test_scan_over_layers_computes_the_same_function(remat: bool) -> None:
+@pytest.mark.parametrize("remat", [False, True, "dots"])
+def test_scan_over_layers_computes_the_same_function(remat) -> None:
     listed = create(TINY)
     scanned = stacked_from_list(listed)
     scanned.cfg = TINY.replace(scan_layers=True, remat=remat)
@@ -79,3 +88,27 @@ def test_remat_changes_nothing_but_memory() -> None:
 def test_too_long_a_sequence_is_refused() -> None:
     with pytest.raises(ValueError, match="sequence length 33 exceeds max_len 32"):
         create(TINY)(jnp.zeros((1, 33), jnp.int32))
+
+
+def test_remat_policies_are_named_or_refused() -> None:
+    assert [remat_policy(r) for r in (False, True, "full", "dots")] == [
+        None,
+        "full",
+        "full",
+        "dots",
+    ]
+    with pytest.raises(ValueError, match="remat='selective' is not a remat policy"):
+        TINY.replace(remat="selective")
+
+
+def test_the_compute_copy_is_cast_where_stored() -> None:
+    """Under bfloat16 compute the weights the products read are bfloat16 copies, and the
+    gradients that come back through them are float32, as the parameters are."""
+    model = create(TINY.replace(compute_dtype="bfloat16"))
+    copy = compute_copy(model.blocks[0].attention.query, jnp.bfloat16)
+    assert copy.dtype == jnp.bfloat16
+    grad = jax.grad(lambda p: compute_copy(p, jnp.bfloat16).astype(jnp.float32).sum())(
+        model.blocks[0].attention.query
+    )
+    assert grad[...].dtype == jnp.float32
+    assert compute_copy(model.head, jnp.float32) is model.head[...]  # nothing to cast

@@ -14,11 +14,15 @@ from nnxscale.layout import largest_divisible_dim, resolve
 from nnxscale.mesh import make_mesh
 from nnxscale.model import TINY, Config, create
 from nnxscale.rules import (
+    CP,
     DP,
     FSDP,
     FSDP_TP,
+    HSDP,
+    PP,
     RULE_SETS,
     TP,
+    ZERO2,
     RuleError,
     Rules,
     auto_fsdp,
@@ -192,3 +196,24 @@ def test_zero_stages_keep_their_roles_whole():
 def test_unknown_roles_are_named():
     with pytest.raises(RuleError, match="names roles \\['weights'\\]"):
         FSDP.replace(whole=("weights",))
+
+
+def test_token_axes_are_those_of_the_batch_and_the_sequence() -> None:
+    assert FSDP.token_axes(("data", "model")) == ("data",)
+    assert TP.token_axes(("data", "model")) == ("data",)
+    assert HSDP.token_axes(("replica", "data")) == ("replica", "data")
+    assert CP.token_axes(("data", "context")) == ("data", "context")
+    assert PP.token_axes(("stage",)) == ()
+
+
+def test_a_weight_is_read_gathered_over_the_token_axes_only() -> None:
+    from jax.sharding import AbstractMesh, AxisType
+
+    from nnxscale.layout import weight_axes
+
+    mesh = AbstractMesh((4, 2), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
+    names = ("embed", "heads", "head_dim")
+    stored, read = weight_axes((64, 4, 16), names, FSDP_TP, mesh)
+    assert stored == [("data",), ("model",), None] and read == [None, ("model",), None]
+    stored, read = weight_axes((64, 4, 16), names, ZERO2, mesh)
+    assert stored == read == [None, None, None]  # ZeRO keeps parameters whole

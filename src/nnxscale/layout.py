@@ -361,9 +361,59 @@ def activation_spec(
     rules, mesh = active
     lead = tuple(size for size, _ in beside)
     every = tuple(name for _, name in beside) + tuple(names)
-    known = tuple(n if n is not None and n in rules.logical else None for n in every)
-    chosen, _ = _place_logical("activation", lead + tuple(shape), known, rules, mesh)
-    return PartitionSpec(*(_spec_entry(axes) for axes in chosen[len(lead) :])), mesh
+    chosen = activation_axes(lead + tuple(shape), every, rules, mesh)
+    return _spec(chosen[len(lead) :]), mesh
+
+
+ROUTED = ("experts",)
+"""Logical weight dimensions that stay split where the tokens are split too: the tokens travel
+to their experts (an all-to-all) instead of the weights to the tokens."""
+
+Axes = list[tuple[str, ...] | None]
+"""The mesh axes splitting each dimension of an array (None: whole)."""
+
+
+def weight_axes(
+    shape: tuple[int, ...], names: tuple[str | None, ...], rules: Rules, mesh: Mesh
+) -> tuple[Axes, Axes]:
+    """Where `rules` store a parameter of `shape` with logical `names` on `mesh` (as `resolve`
+    places it, ZeRO's whole parameters included), and where a computation reads it: the
+    stored axes less those that split the tokens (`Rules.token_axes`), whose dimensions are
+    gathered first (FSDP), except routed ones (`ROUTED`)."""
+    stored, _, _ = _place("weight", tuple(shape), tuple(names), rules, mesh, "params")
+    tokens = set(rules.token_axes(mesh.axis_names))
+    read = [
+        axes if not axes or name in ROUTED else (tuple(a for a in axes if a not in tokens) or None)
+        for axes, name in zip(stored, names, strict=True)
+    ]
+    return stored, read
+
+
+def activation_axes(
+    shape: tuple[int, ...], names: tuple[str | None, ...], rules: Rules, mesh: Mesh
+) -> Axes:
+    """The mesh axes `rules` give each dimension of an activation with logical `names` on
+    `mesh` (names the rules do not know stay whole)."""
+    known = tuple(n if n is not None and n in rules.logical else None for n in names)
+    chosen, _ = _place_logical("activation", tuple(shape), known, rules, mesh)
+    return chosen
+
+
+def weight_layout(
+    shape: tuple[int, ...], names: tuple[str | None, ...] | None
+) -> tuple[PartitionSpec, PartitionSpec, Mesh] | None:
+    """The stored and read partition specs (`weight_axes`) the active rules give a parameter,
+    and the mesh; None when no rules are active."""
+    active = _active()
+    if active is None or names is None:
+        return None
+    rules, mesh = active
+    stored, read = weight_axes(shape, names, rules, mesh)
+    return _spec(stored), _spec(read), mesh
+
+
+def _spec(axes: Axes) -> PartitionSpec:
+    return PartitionSpec(*(_spec_entry(a) for a in axes))
 
 
 def activation_axis(name: str) -> tuple[str, int] | None:

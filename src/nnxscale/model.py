@@ -8,6 +8,7 @@ Parameters carry logical axis names (`vocab`, `embed`, `heads`, `head_dim`, `mlp
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -15,9 +16,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import NamedSharding
 
 from nnxscale.context import context_split, from_layout, ring_attention, to_layout
-from nnxscale.layout import activation_spec, constrain
+from nnxscale.layout import activation_spec, constrain, weight_layout
 from nnxscale.moe import MoE, Routing
 
 LOGICAL_AXES = ("vocab", "embed", "heads", "head_dim", "mlp", "length", "layers", "experts")
@@ -50,7 +52,9 @@ class Config:
     max_len: int = 32
     dropout: float = 0.1
     scan_layers: bool = False
-    remat: bool = False
+    remat: bool | str = False
+    """Rematerialise each layer in the backward pass: False, True (`"full"`) or the name of a
+    policy in `REMAT_POLICIES` (what the layer keeps)."""
     compute_dtype: str = "float32"
     experts: int = 0
     """Experts per MoE layer in place of each MLP (`nnxscale.moe`); 0 keeps the dense MLP."""
@@ -59,9 +63,36 @@ class Config:
     aux_weight: float = 0.01
     """Weight of the load-balancing loss in the training loss (MoE only)."""
 
+    def __post_init__(self) -> None:
+        remat_policy(self.remat)
+
     def replace(self, **changes: object) -> Config:
         """A copy with some fields changed."""
         return dataclasses.replace(self, **changes)
+
+
+REMAT_POLICIES = {
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+"""What a rematerialised layer keeps for its backward pass. `full`: only its input; the
+backward pass runs the layer's forward again. `dots`: also the outputs of its weight products
+(queries, keys, values, projections, the MLP's products); the attention scores, softmax and
+elementwise work are recomputed, close to the selective recomputation of Korthikanti et al."""
+
+
+def remat_policy(remat: bool | str) -> str | None:
+    """The name of the remat policy a `Config.remat` value means (None: no remat)."""
+    if remat is False:
+        return None
+    if remat is True:
+        return "full"
+    if remat not in REMAT_POLICIES:
+        raise ValueError(
+            f"remat={remat!r} is not a remat policy: use False, True (full) or one of "
+            f"{', '.join(map(repr, REMAT_POLICIES))}."
+        )
+    return remat
 
 
 TINY = Config()
@@ -80,6 +111,52 @@ def _param(
     else:
         value = jax.random.normal(rngs.params(), shape, jnp.float32) / math.sqrt(fan_in)
     return nnx.Param(value, out_sharding=axes)
+
+
+CAST_WEIGHTS = ("query", "key", "value", "out", "up", "down", "head")
+"""The parameters the model reads through `compute_copy`: its matrix products' weights."""
+
+
+def compute_copy(param: nnx.Param, dtype: Any) -> jax.Array:
+    """The weight in the compute dtype, cast where it is stored: each device casts its own
+    shard, so a strategy that gathers weights (FSDP) gathers the compute-dtype copy, half the
+    bytes of float32 for bfloat16. The gradient flows back in the parameter's dtype, so it is
+    reduced in float32."""
+    value = param[...]
+    if value.dtype == jnp.dtype(dtype):
+        return value
+    names = param.get_metadata().get("out_sharding")
+    if names is not None:  # inside a scan over stacked layers, a slice: drop the stacked names
+        names = tuple(names)[len(names) - value.ndim :]
+    placed = weight_layout(value.shape, names)
+    return _cast_where_stored(value, jnp.dtype(dtype), placed, value.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
+def _cast_where_stored(value: jax.Array, dtype: Any, placed: Any, stored: Any) -> jax.Array:
+    """`value` cast to `dtype` on its stored layout, then gathered to its read layout. The
+    gather moves the cast value's bits as unsigned integers of its width: the same bytes, and
+    a CPU compiler, which widens low-precision floating-point collectives to float32, keeps
+    them."""
+    copy = value.astype(dtype)
+    if placed is None:
+        return copy
+    stored, read, mesh = placed
+    bits = jax.lax.bitcast_convert_type(copy, jnp.dtype(f"uint{8 * copy.dtype.itemsize}"))
+    bits = jax.lax.with_sharding_constraint(bits, NamedSharding(mesh, stored))
+    bits = jax.lax.with_sharding_constraint(bits, NamedSharding(mesh, read))
+    return jax.lax.bitcast_convert_type(bits, dtype)
+
+
+def _cast_forward(value: jax.Array, dtype: Any, placed: Any, stored: Any) -> tuple[jax.Array, None]:
+    return _cast_where_stored(value, dtype, placed, stored), None
+
+
+def _cast_backward(dtype: Any, placed: Any, stored: Any, _: None, grad: jax.Array) -> tuple:
+    return (grad.astype(stored),)
+
+
+_cast_where_stored.defvjp(_cast_forward, _cast_backward)
 
 
 class RMSNorm(nnx.Module):
@@ -114,16 +191,16 @@ class Attention(nnx.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         dtype = x.dtype
         x = constrain(x, TOKENS)
-        q = constrain(jnp.einsum("ble,ehd->blhd", x, self.query[...].astype(dtype)), HEADS)
-        k = constrain(jnp.einsum("ble,ehd->blhd", x, self.key[...].astype(dtype)), HEADS)
-        v = constrain(jnp.einsum("ble,ehd->blhd", x, self.value[...].astype(dtype)), HEADS)
+        q = constrain(jnp.einsum("ble,ehd->blhd", x, compute_copy(self.query, dtype)), HEADS)
+        k = constrain(jnp.einsum("ble,ehd->blhd", x, compute_copy(self.key, dtype)), HEADS)
+        v = constrain(jnp.einsum("ble,ehd->blhd", x, compute_copy(self.value, dtype)), HEADS)
         ring = context_split(x.shape[1])
         if ring is None:
             context = self.dense(q, k, v)
         else:
             spec, mesh = activation_spec(q.shape, HEADS)
             context = ring_attention(q, k, v, mesh, ring, spec=spec)
-        return jnp.einsum("blhd,hde->ble", context, self.out[...].astype(dtype))
+        return jnp.einsum("blhd,hde->ble", context, compute_copy(self.out, dtype))
 
     def dense(self, q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
         """Causal attention with the whole score matrix (batch, heads, length, length)."""
@@ -145,8 +222,8 @@ class MLP(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         x = constrain(x, TOKENS)
-        hidden = constrain(jax.nn.gelu(x @ self.up[...].astype(x.dtype)), HIDDEN)
-        return hidden @ self.down[...].astype(x.dtype)
+        hidden = constrain(jax.nn.gelu(x @ compute_copy(self.up, x.dtype)), HIDDEN)
+        return hidden @ compute_copy(self.down, x.dtype)
 
 
 class Block(nnx.Module):
@@ -280,7 +357,7 @@ class Transformer(nnx.Module):
         sequence back in its natural order under context parallelism)."""
         split = context_split(x.shape[1])
         x = self.final_norm(x if split is None else from_layout(x, split))
-        head = self.head[...].astype(x.dtype)
+        head = compute_copy(self.head, x.dtype)
         return jnp.einsum("ble,ev->blv", x, head).astype(jnp.float32)
 
     def run_blocks(self, x: jax.Array, keys: jax.Array | None) -> tuple[jax.Array, jax.Array]:
@@ -293,9 +370,10 @@ class Transformer(nnx.Module):
                 "nnxscale.pipeline.loss_and_grads, or put them back with "
                 "nnxscale.pipeline.placed(model, mesh, virtual=1)"
             )
+        policy = remat_policy(self.cfg.remat)
         apply: Callable[[Block, jax.Array, jax.Array | None], tuple[jax.Array, jax.Array]] = (
-            nnx.remat(lambda block, h, key: block.with_aux(h, key))
-            if self.cfg.remat
+            nnx.remat(lambda block, h, key: block.with_aux(h, key), policy=REMAT_POLICIES[policy])
+            if policy
             else (lambda block, h, key: block.with_aux(h, key))
         )
         total = jnp.zeros((), jnp.float32)

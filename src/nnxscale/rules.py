@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import TypeAlias
 
 import jax
@@ -128,6 +128,19 @@ class Rules:
         """Whether the rule set splits any parameter (DP and PP's replicated parts do not)."""
         named = any(c for name, c in self.logical.items() if name != "batch")
         return named or self.auto_axis is not None
+
+    def token_axes(self, mesh_axes: Iterable[str]) -> tuple[str, ...]:
+        """The mesh axes (of `mesh_axes`) that split the tokens: the batch's, and the
+        sequence's under context parallelism. Each device computes the loss of its own tokens,
+        so gradients are summed over these axes, and weights split over them are gathered."""
+        present = set(mesh_axes)
+        found: list[str] = []
+        for name in ("batch", "length"):
+            for axes in self.logical.get(name, ()):
+                if set(_as_tuple(axes)) <= present:
+                    found += [a for a in _as_tuple(axes) if a not in found]
+                    break
+        return tuple(found)
 
     def mesh_shape(self, devices: int) -> tuple[int, ...]:
         """The size of each of `axes` on `devices` devices (see the class docstring)."""
