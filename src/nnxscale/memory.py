@@ -42,6 +42,21 @@ class CompiledMemory:
         )
 
 
+def residual_arrays(fn: Callable[..., Any], *args: Any) -> list[jax.ShapeDtypeStruct]:
+    """The arrays JAX's autodiff keeps from the forward pass of `fn` at `args` for its backward
+    pass, leaving out `args` themselves (they exist anyway), found by tracing alone: shapes
+    and dtypes, no values, so it costs no memory whatever the sizes."""
+    closed, shapes = jax.make_jaxpr(lambda *a: jax.vjp(fn, *a), return_shape=True)(*args)
+    count = len(jax.tree.leaves(shapes[1]))
+    inputs = {id(v) for v in closed.jaxpr.invars}
+    kept = closed.jaxpr.outvars[len(closed.jaxpr.outvars) - count :]
+    return [
+        jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype)
+        for v in kept
+        if id(v) not in inputs and v.aval.size  # the function's inputs; empty markers
+    ]
+
+
 def saved_bytes(fn: Callable[..., Any], *args: Any) -> int:
     """Bytes JAX's autodiff keeps from the forward pass of `fn` at `args` for its backward pass:
     the residuals `jax.vjp` closes over, arguments among them, found by tracing alone. It is

@@ -1,0 +1,77 @@
+"""The activation ledger is what JAX's autodiff keeps: traced formulas checked at other sizes."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import pytest
+from flax import nnx
+from jax.sharding import AbstractMesh, AxisType
+
+from nnxscale import activations
+from nnxscale.formula import Formula
+from nnxscale.layout import activation_rules
+from nnxscale.losses import next_token_loss
+from nnxscale.memory import residual_arrays
+from nnxscale.model import Config, create
+from nnxscale.rules import CP
+
+OTHER = dict(vocab=96, embed=48, heads=6, head_dim=8, mlp=80, layers=3)
+"""Sizes the calibration never saw: none is one of its primes."""
+
+
+def kept_bytes(cfg: Config, batch: int, seq: int, ring: int = 0) -> int:
+    """Bytes autodiff keeps for the loss of `cfg` on `batch` x `seq` tokens, traced."""
+    model = nnx.eval_shape(lambda: create(cfg))
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    tokens = jax.ShapeDtypeStruct((batch, seq + 1), jnp.int32)
+
+    def loss(p, t):
+        return next_token_loss(nnx.merge(graphdef, p, rest), t, None)
+
+    if not ring:
+        arrays = residual_arrays(loss, params, tokens)
+    else:
+        mesh = AbstractMesh((1, ring), CP.axes, axis_types=(AxisType.Auto,) * 2)
+        with activation_rules(CP, mesh):
+            arrays = residual_arrays(loss, params, tokens)
+    return sum(a.size * a.dtype.itemsize for a in arrays)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("remat", [False, "full", "dots"])
+def test_the_formulas_give_autodiffs_bytes_at_sizes_never_traced(dtype: str, remat) -> None:
+    batch, seq = 4, 10
+    cfg = Config(**OTHER, max_len=seq, scan_layers=True, remat=remat, compute_dtype=dtype)
+    k = activations.kept(dtype, remat)
+    sizes = {**OTHER, "batch": batch, "seq": seq}
+    copies = k.weights * "layers" + k.head_weights if dtype != "float32" else 0
+    predicted = (k.layer * "layers" + k.model + copies)(sizes)
+    assert predicted == kept_bytes(cfg, batch, seq)
+
+
+@pytest.mark.parametrize("ring", [2, 4])
+def test_the_rings_formulas_give_autodiffs_bytes_at_other_ring_sizes(ring: int) -> None:
+    batch, seq = 4, 4 * ring * 3
+    cfg = Config(**OTHER, max_len=seq, scan_layers=True)
+    k = activations.kept("float32", False, ring=True)
+    sizes = {**OTHER, "batch": batch, "seq": seq, "context": ring, "chunk": seq // ring}
+    whole = (k.layer * "layers" + k.model)(sizes)
+    per_device_blocks = k.local(sizes)  # the ring's blocks, one set per device of the ring
+    assert whole + ring * per_device_blocks == kept_bytes(cfg, batch, seq, ring)
+
+
+def test_remat_keeps_layer_inputs_and_rebuilds_the_rest() -> None:
+    whole, full = activations.kept(), activations.kept("float32", "full")
+    assert full.layer == Formula.product(["batch", "seq", "embed"], 4)
+    assert full.layer + full.rebuilt == whole.layer
+    dots = activations.kept("float32", "dots")  # the products' outputs, no attention scores
+    assert dots.layer + dots.rebuilt == whole.layer
+    assert any(dict(term).get("seq", 0) == 2 for term in whole.layer.terms)
+    assert all(dict(term).get("seq", 0) < 2 for term in dots.layer.terms)
+
+
+def test_a_size_the_calibration_cannot_name_is_an_error() -> None:
+    assert activations.factor(2 * 3 * 3) == {"batch": 1, "seq": 2}
+    with pytest.raises(ValueError, match="not a product of the traced sizes"):
+        activations.factor(4 * 23)
