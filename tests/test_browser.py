@@ -423,66 +423,90 @@ CALCULATOR = """(inputs) => {
         form.dispatchEvent(new Event('input'));
         return Object.fromEntries([...root.querySelectorAll('[data-field]')]
             .filter((cell) => cell.dataset.value !== '')
-            .map((cell) => [cell.dataset.field, Number(cell.dataset.value)]));
+            .map((cell) => [cell.dataset.field, cell.dataset.value === undefined
+                ? cell.textContent : Number(cell.dataset.value)]));
     });
 }"""
 
 
 def calculator_grid() -> list[dict]:
-    """Every strategy on every device, for three models and clusters: 144 inputs."""
+    """Every planned strategy on every device, for three models, clusters and setups (each
+    with its remat policies and two micro-batch counts): over 500 inputs, some that cannot
+    run."""
     from nnxscale import costs
-    from nnxscale.model import TINY
+    from nnxscale.planner import PLANNED
 
+    small = dict(vocab=96, embed=48, heads=6, head_dim=8, mlp=80, layers=6)
     clusters = [
-        (costs.SEVEN_B, 8, 64, 4096, True),
-        (costs.SEVENTY_B, 256, 1024, 4096, True),
-        (TINY.replace(mlp=192, vocab=100), 6, 12, 32, False),
+        ({k: getattr(costs.SEVEN_B, k) for k in SIZES}, 8, 64, 4096, (2, 2, 2, 2)),
+        ({k: getattr(costs.SEVENTY_B, k) for k in SIZES}, 256, 1024, 4096, (4, 8, 4, 16)),
+        (small, 12, 24, 48, (2, 3, 2, 2)),
     ]
     return [
         {
-            **{k: getattr(cfg, k) for k in ("vocab", "embed", "heads", "head_dim", "mlp")},
-            "layers": cfg.layers,
-            "seq": seq, "batch": batch, "devices": devices, "dtype": cfg.compute_dtype,
-            "hardware": hardware, "strategy": strategy, "remat": remat,
+            **cfg, "seq": seq, "batch": batch, "devices": devices, "hardware": hardware,
+            "strategy": strategy, "tensor": degrees[0], "stages": degrees[1],
+            "context": degrees[2], "replicas": degrees[3], "micro": micro, "remat": remat,
         }
-        for cfg, devices, batch, seq, remat in clusters
+        for cfg, devices, batch, seq, degrees in clusters
         for hardware in costs.HARDWARE
-        for strategy in costs.STRATEGY_NAMES
+        for strategy in PLANNED
+        for micro in (degrees[1], 2 * degrees[1])
+        for remat in ("no", "dots", "full")
+        if not (strategy.startswith("PP") and remat != "no")
     ]  # fmt: skip
 
 
+SIZES = ("vocab", "embed", "heads", "head_dim", "mlp", "layers")
+
+
 def test_the_calculator_computes_what_the_library_computes(browser, site: str) -> None:
-    """The page's calculator, driven through its form over 144 inputs, gives the library's
-    numbers for memory by component, bytes sent, FLOPs and times (to 1e-9, relative)."""
-    from nnxscale import costs
+    """The page's calculator, driven through its form over the grid, gives the library's
+    numbers (memory by part, peak, bytes, FLOPs, times, to 1e-9 relative) or its reason."""
+    from nnxscale import calculator, costs
     from nnxscale.model import Config
+    from nnxscale.rules import STRATEGIES
 
     page, problems = open_page(browser, f"{site}/chapters/11_choosing_a_strategy.html")
     grid = calculator_grid()
     shown = page.evaluate(CALCULATOR, grid)
     page.close()
     assert problems == []
-    assert len(grid) >= 100
+    assert len(grid) >= 500
+    reasons = 0
     for inputs, got in zip(grid, shown, strict=True):
         cfg = Config(
-            vocab=inputs["vocab"], embed=inputs["embed"], heads=inputs["heads"],
-            head_dim=inputs["head_dim"], mlp=inputs["mlp"], layers=inputs["layers"],
-            max_len=inputs["seq"], compute_dtype=inputs["dtype"],
+            **{k: inputs[k] for k in SIZES}, max_len=inputs["seq"],
+            compute_dtype=calculator.DTYPE, scan_layers=True,
         )  # fmt: skip
-        cost = costs.step_cost(
-            cfg, inputs["strategy"], inputs["devices"], costs.HARDWARE[inputs["hardware"]],
-            inputs["batch"], inputs["seq"], remat=inputs["remat"],
-        )  # fmt: skip
+        remat = {"no": False, "dots": "dots", "full": "full"}[inputs["remat"]]
+        degrees = {k: inputs[k] for k in ("tensor", "stages", "context", "replicas")}
+        try:
+            setup = calculator.setup_for(
+                STRATEGIES[inputs["strategy"]], inputs["devices"], degrees, inputs["micro"], remat
+            )
+        except ValueError:
+            assert "do not divide" in got["verdict"], inputs
+            reasons += 1
+            continue
+        reason = costs.unsuitable(cfg, setup, inputs["batch"], inputs["seq"])
+        if reason:
+            assert got == {"verdict": f"cannot run: {reason}"}, inputs
+            reasons += 1
+            continue
+        cost = costs.step_cost(cfg, setup, inputs["hardware"], inputs["batch"], inputs["seq"])
         expected = {
             "parameter count": costs.counts(cfg).total,
             **cost.memory,
-            "memory per device": cost.total_memory,
+            "peak per device": cost.peak,
             "bytes sent per device": cost.sent,
             "FLOPs per device": cost.flops,
             "compute time": cost.compute_time,
             "communication time": cost.comm_time,
+            "exposed communication": cost.exposed,
             "predicted step time": cost.step_time,
         }
         assert set(got) == set(expected), inputs
         for field, value in expected.items():
             assert got[field] == pytest.approx(value, rel=1e-9, abs=1e-12), (field, inputs)
+    assert reasons and len(grid) - reasons >= 300  # both kinds of answer, many priced

@@ -1,168 +1,143 @@
-// The cost model of nnxscale.costs, in the browser: the same formulas, on the same constants,
-// which nnxscale.calculator writes into the page (SPEC). A browser test compares this
-// file's answers with the library's over a grid of inputs.
+// The cost model of nnxscale.costs, in the browser. The library writes into the page, for
+// every rule set the planner considers, the formulas it derives from that rule set (SPEC);
+// this script evaluates them and repeats only step_cost's arithmetic rules: the moments
+// that can be a step's peak, the link a collective crosses, what compute hides, and a
+// pipeline's lockstep ticks. A browser test compares its answers with the library's.
 (function () {
   "use strict";
 
-  function counts(cfg) {
-    const e = cfg.embed, v = cfg.vocab;
-    const attention = 4 * e * cfg.heads * cfg.head_dim;
-    const mlp = 2 * e * cfg.mlp;
-    const blocks = cfg.layers * (attention + mlp + 2 * e);
-    return {
-      total: v * e + cfg.max_len * e + blocks + e + e * v,
-      tensor: 2 * v * e + cfg.layers * (attention + mlp),
-      blocks: blocks,
-      matmul: cfg.layers * (attention + mlp) + e * v,
-      blocks_matmul: cfg.layers * (attention + mlp),
-    };
-  }
-
-  function held(cfg, split, mesh) {
-    const c = counts(cfg);
-    const d = mesh.data || 1, t = mesh.model || 1, p = mesh.stage || 1;
-    const other = c.total - c.tensor;
-    return {
-      whole: c.total,
-      data: c.total / d,
-      model: c.tensor / t + other,
-      "data+model": (c.tensor / t + other) / d,
-      stage: c.blocks / p + c.total - c.blocks,
-    }[split];
-  }
-
-  function layerValues(cfg, seq, model) {
-    const split = 4 * cfg.heads * cfg.head_dim + 2 * cfg.mlp + cfg.heads * seq;
-    return 4 * cfg.embed + split / model;
-  }
-
-  function activationBytes(spec, cfg, sequences, seq, model, remat) {
-    const tokens = sequences * seq;
-    const width = spec.dtypes[cfg.compute_dtype];
-    const layer = tokens * layerValues(cfg, seq, model) * width;
-    const head = tokens * (2 * cfg.embed * width + (cfg.vocab / model) * spec.constants.LOGIT_BYTES);
-    if (remat) return cfg.layers * tokens * cfg.embed * width + layer + head;
-    return cfg.layers * layer + head;
-  }
-
-  function stepFlops(cfg, sequences, seq, remat) {
-    const c = counts(cfg);
-    const tokens = sequences * seq;
-    const attention = 4 * cfg.layers * sequences * seq * seq * cfg.heads * cfg.head_dim;
-    let total = 3 * (2 * c.matmul * tokens + attention);
-    if (remat) {
-      const last = cfg.layers * cfg.mlp * cfg.embed;
-      total += 2 * (c.blocks_matmul - last) * tokens + attention;
+  // A formula is a list of [coefficient, {size: power}] terms.
+  function evaluate(formula, sizes) {
+    let total = 0;
+    for (const [coefficient, powers] of formula) {
+      let term = coefficient;
+      for (const [name, power] of Object.entries(powers)) term *= Math.pow(sizes[name], power);
+      total += term;
     }
     return total;
   }
 
-  function ringBytes(kind, nbytes, n) {
-    if (kind === "collective-permute") return nbytes;
-    const factor = kind === "all-reduce" ? (2 * (n - 1)) / n : (n - 1) / n;
-    return factor * nbytes;
+  function product(values) {
+    return values.reduce((a, b) => a * b, 1);
   }
 
-  function transfers(spec, cfg, strategy, mesh, sequences, seq) {
-    const c = counts(cfg);
-    const full = c.total * spec.constants.STATE_BYTES;
-    const d = mesh.data || 1;
-    const width = spec.dtypes[cfg.compute_dtype];
-    const perReplica = (sequences * seq) / (d * (mesh.replica || 1));
-    const activation = perReplica * cfg.embed * width;
-    const tp = held(cfg, "model", mesh) * spec.constants.STATE_BYTES;
-    const L = cfg.layers;
-    const x = (kind, axis, bytes, count) => ({ kind, axis, array_bytes: bytes, count });
-    if (strategy === "DP") return [x("all-reduce", "data", full, 1)];
-    if (strategy === "ZeRO-1" || strategy === "ZeRO-2")
-      return [x("reduce-scatter", "data", full, 1), x("all-gather", "data", full, 1)];
-    if (strategy === "FSDP" || strategy === "HSDP") {
-      const out = [x("all-gather", "data", 2 * full, 2 * L), x("reduce-scatter", "data", full, L)];
-      if (strategy === "HSDP") out.push(x("all-reduce", "replica", full / d, 1));
-      return out;
+  // nnxscale.calculator.setup_for
+  function meshFor(spec, strategy, devices, degrees) {
+    const s = spec.strategies[strategy];
+    const sizes = {};
+    if (s.axes.length > 1) {
+      for (const axis of s.used) if (axis in spec.degrees) sizes[axis] = degrees[spec.degrees[axis]];
     }
-    if (strategy === "TP" || strategy === "FSDP+TP") {
-      const acts = x("all-reduce", "model", (4 * L + 2) * activation, 4 * L + 2);
-      if (strategy === "TP") return [acts, x("all-reduce", "data", tp, 1)];
-      return [acts, x("all-gather", "data", 2 * tp, 2 * L), x("reduce-scatter", "data", tp, L)];
-    }
-    const stages = mesh.stage || 1;
-    const boundaries = 2 * sequences * seq * cfg.embed * width;
-    return [x("collective-permute", "stage", stages > 1 ? boundaries : 0, 2)];
-  }
-
-  function gcd(a, b) {
-    while (b) [a, b] = [b, a % b];
-    return a;
-  }
-
-  function meshFor(spec, strategy, devices, hw) {
-    const rules = spec.strategies[strategy];
-    if (strategy === "HSDP") {
-      const replica = Math.max(1, gcd(devices, Math.max(1, Math.floor(devices / hw.domain))));
-      return { replica: replica, data: devices / replica };
-    }
-    let left = devices;
-    const shape = rules.sizes.slice();
-    rules.sizes.forEach((size, i) => {
-      if (size > 0) {
-        let k = 1;
-        for (let j = 1; j <= Math.min(size, left); j++) if (left % j === 0) k = j;
-        shape[i] = k;
-        left = left / k;
-      }
-    });
-    shape[rules.sizes.indexOf(-1)] = left;
+    const rest = s.used.filter((a) => !(a in sizes));
+    const fixed = product(Object.values(sizes));
+    if (rest.length) sizes[rest[0]] = devices % fixed === 0 ? devices / fixed : 0;
     const mesh = {};
-    rules.axes.forEach((axis, i) => (mesh[axis] = shape[i]));
-    return mesh;
+    for (const axis of s.axes) mesh[axis] = sizes[axis] || (axis in sizes ? 0 : 1);
+    return product(Object.values(mesh)) === devices ? mesh : null;
   }
 
-  function linkBandwidth(axis, mesh, hw) {
-    const names = Object.keys(mesh);
-    let span = 1;
-    for (const a of names.slice(names.indexOf(axis))) span *= mesh[a];
-    return span <= hw.domain ? hw.fast : hw.slow;
+  // nnxscale.costs.unsuitable
+  function unsuitable(c, sizes, mesh, batch, seq, micro) {
+    for (const [size, axes] of c.splits) {
+      const n = product(axes.map((a) => mesh[a]));
+      if (sizes[size] % n) return `the ${axes.join("x")} axis (${n}) does not divide ${size} (${sizes[size]})`;
+    }
+    const split = product(c.batch_axes.map((a) => mesh[a]));
+    if (batch % (split * micro)) return `the batch of ${batch} sequences does not split into ${micro} micro-batches x ${split} devices`;
+    const ring = c.ring_axis ? mesh[c.ring_axis] : 1;
+    if (seq % (2 * ring)) return `${seq} tokens do not cut into 2 x ${ring} chunks for the zig-zag ring`;
+    const stages = c.stage_axis ? mesh[c.stage_axis] : 1;
+    if (micro < stages) return `${stages} stages need at least ${stages} micro-batches (1F1B)`;
+    return "";
   }
 
-  function stepCost(spec, cfg, strategy, devices, hw, sequences, seq, remat) {
-    const mesh = meshFor(spec, strategy, devices, hw);
-    const [ps, gs, os] = spec.splits[strategy];
-    const t = mesh.model || 1, p = mesh.stage || 1;
-    const batchSplit = (mesh.data || 1) * (mesh.replica || 1);
-    let bubble = 0, inFlight = sequences / batchSplit, cfgHeld = cfg;
-    if (strategy === "PP") {
-      const m = 4 * p;
-      bubble = (p - 1) / (m + p - 1);
-      inFlight = (Math.min(p, m) * sequences) / m;
-      cfgHeld = Object.assign({}, cfg, { layers: Math.ceil(cfg.layers / p) });
-    }
-    const k = spec.constants;
-    const memory = {
-      parameters: held(cfg, ps, mesh) * k.STATE_BYTES,
-      gradients: held(cfg, gs, mesh) * k.STATE_BYTES,
-      "optimizer state": held(cfg, os, mesh) * k.STATE_BYTES * k.OPTIMIZER_COPIES,
-      activations: activationBytes(spec, cfgHeld, inFlight, seq, t, remat),
-    };
-    const flops = stepFlops(cfg, sequences, seq, remat) / devices;
-    const moves = transfers(spec, cfg, strategy, mesh, sequences, seq);
-    const sent = moves.reduce((s, x) => s + ringBytes(x.kind, x.array_bytes, mesh[x.axis]), 0);
-    const compute = flops / (hw.flops * k.EFFICIENCY) / (1 - bubble);
-    let comm = 0;
-    for (const x of moves) {
-      if (mesh[x.axis] > 1)
-        comm += k.LATENCY * x.count + ringBytes(x.kind, x.array_bytes, mesh[x.axis]) / linkBandwidth(x.axis, mesh, hw);
-    }
-    const total = Object.values(memory).reduce((a, b) => a + b, 0);
+  // nnxscale.costs.memory_phases
+  function phases(c, sizes, micro) {
+    const f = (name) => evaluate(c[name], sizes);
+    if (c.stage_axis) return { "a backward task": f("activations") + f("rebuilt") + f("gradients") + f("weights") + f("head") };
+    const accumulate = micro > 1 ? f("accumulator") : 0;
+    const kept = f("activations") + f("weights") + f("head_gradients");
     return {
-      mesh, memory, total_memory: total, flops, sent, compute_time: compute, comm_time: comm,
-      bubble, step_time: Math.max(compute, comm), params: counts(cfg).total,
+      "backward starts": kept + f("head") + accumulate,
+      "a layer's backward": kept + f("rebuilt") + f("layer_gradients") + accumulate,
+      update: 2 * f("gradients") + accumulate,
     };
   }
 
-  const COLORS = {
-    parameters: "#4c72b0", gradients: "#dd8452", "optimizer state": "#55a868", activations: "#c44e52",
-  };
+  // nnxscale.costs.link and collective_seconds
+  function link(axes, mesh, hw) {
+    const names = Object.keys(mesh);
+    const first = Math.min(...axes.map((a) => names.indexOf(a)));
+    const span = product(names.slice(first).map((a) => mesh[a]));
+    return span <= hw.domain ? [hw.fast, hw.hop] : [hw.slow, hw.far_hop];
+  }
+
+  function collectiveSeconds(kind, array, n, mesh, axes, hw) {
+    const [bandwidth, hop] = link(axes, mesh, hw);
+    const ring = bandwidth === hw.fast && hw.ring;
+    const steps = kind === "all-reduce" ? 2 * (n - 1) : kind === "collective-permute" ? 1 : n - 1;
+    let sent, moved;
+    if (kind === "all-to-all") {
+      sent = ((n - 1) / n) * array;
+      moved = ring ? (n * array * ((n - 1) / n)) / 4 : sent;
+    } else {
+      sent = kind === "collective-permute" ? array : kind === "all-reduce" ? ((2 * (n - 1)) / n) * array : ((n - 1) / n) * array;
+      moved = sent;
+    }
+    return [sent, steps * hop + moved / bandwidth];
+  }
+
+  // nnxscale.costs.step_cost
+  function stepCost(spec, cfg, strategy, remat, hw, devices, degrees, batch, seq, micro) {
+    const c = spec.strategies[strategy].remat[c_remat(spec, strategy, remat)];
+    const mesh = meshFor(spec, strategy, devices, degrees);
+    if (!mesh) return { reason: `the degrees do not divide ${devices} devices` };
+    const sizes = Object.assign({}, cfg, { batch, seq, micro, max_len: seq, experts: 0 }, mesh);
+    const reason = unsuitable(c, sizes, mesh, batch, seq, micro);
+    if (reason) return { reason, mesh };
+    const memory = {};
+    for (const [name, f] of Object.entries(c.state)) memory[name] = evaluate(f, sizes);
+    const found = phases(c, sizes, micro);
+    memory["working memory"] = Math.max(...Object.values(found));
+    const flops = evaluate(c.flops, sizes);
+    const state = Object.keys(c.state).reduce((s, k) => s + memory[k], 0);
+    const traffic = 2 * evaluate(c.activations, sizes) + 3 * evaluate(c.weights, sizes) + 3 * state;
+    let compute = flops / (hw.flops * spec.constants.EFFICIENCY) + traffic / hw.hbm;
+    const forward = (compute * evaluate(c.forward_flops, sizes)) / flops;
+    const window = { gather: compute, reduce: compute - forward, update: forward, ring: (compute * evaluate(c.attention_flops, sizes)) / flops };
+    let sent = 0, seconds = 0, exposed = 0;
+    for (const t of c.transfers) {
+      const n = product(t.axes.map((a) => mesh[a]));
+      if (n === 1) continue;
+      const passes = evaluate(t.passes, sizes);
+      const [s, time] = collectiveSeconds(t.kind, evaluate(t.array, sizes), n, mesh, t.axes, hw);
+      const total = passes * time;
+      sent += passes * s;
+      seconds += total;
+      exposed += t.overlap === "blocking" ? total : Math.max(0, total - window[t.overlap]) + total / Math.max(1, evaluate(t.launches, sizes));
+    }
+    let bubble = 0;
+    if (c.stage_axis) {
+      const p = mesh[c.stage_axis];
+      const lockstep = (2 * (micro + p - 1) * 0.75 * compute) / micro;
+      bubble = 1 - compute / lockstep;
+      compute = lockstep;
+    }
+    const peak = Object.values(memory).reduce((a, b) => a + b, 0);
+    const step = compute + exposed;
+    return {
+      mesh, memory, peak, flops, sent, comm_time: seconds, exposed, compute_time: compute, bubble, step_time: step,
+      params: evaluate(spec.parameters, sizes) / spec.constants.STATE_BYTES,
+      bound: exposed <= 0.5 * step ? "compute" : "communication",
+    };
+  }
+
+  function c_remat(spec, strategy, remat) {
+    const options = spec.strategies[strategy].remat;
+    return remat in options ? remat : Object.keys(options)[0];
+  }
+
+  const COLORS = { parameters: "#4c72b0", "optimizer state": "#55a868", "working memory": "#c44e52" };
 
   function gb(x) {
     return (x / 1e9).toFixed(2) + " GB";
@@ -172,43 +147,41 @@
     const spec = JSON.parse(root.querySelector("script[type='application/json']").textContent);
     const form = root.querySelector("form");
     const out = root.querySelector(".nnxscale-calc-out");
-    const read = () => {
-      const v = (name) => form.elements[name].value;
-      const n = (name) => Number(v(name));
-      return {
-        cfg: {
-          vocab: n("vocab"), embed: n("embed"), heads: n("heads"), head_dim: n("head_dim"),
-          mlp: n("mlp"), layers: n("layers"), max_len: n("seq"), compute_dtype: v("dtype"),
-        },
-        strategy: v("strategy"), devices: n("devices"), hardware: v("hardware"),
-        sequences: n("batch"), seq: n("seq"), remat: form.elements.remat.checked,
-      };
-    };
+    const n = (name) => Number(form.elements[name].value);
     const render = () => {
-      const input = read();
-      const hw = spec.hardware.find((h) => h.name === input.hardware);
-      const r = stepCost(spec, input.cfg, input.strategy, input.devices, hw, input.sequences, input.seq, input.remat);
-      const scale = Math.max(r.total_memory, hw.memory);
+      const cfg = {};
+      for (const name of ["vocab", "embed", "heads", "head_dim", "mlp", "layers"]) cfg[name] = n(name);
+      const hw = spec.hardware.find((h) => h.name === form.elements.hardware.value);
+      const degrees = { tensor: n("tensor"), stages: n("stages"), context: n("context"), replicas: n("replicas") };
+      const r = stepCost(spec, cfg, form.elements.strategy.value, form.elements.remat.value, hw, n("devices"), degrees, n("batch"), n("seq"), n("micro"));
+      if (r.reason) {
+        out.innerHTML = `<p data-field="verdict">cannot run: ${r.reason}</p>`;
+        return;
+      }
+      const limit = hw.memory / spec.constants.HEADROOM;
+      const scale = Math.max(r.peak, hw.memory);
       const bar = Object.entries(r.memory).map(([k, b]) =>
         `<span title="${k}" style="display:inline-block;height:1.2rem;background:${COLORS[k]};width:${(100 * b) / scale}%"></span>`
       ).join("");
+      const fits = r.peak <= limit;
       const rows = [
         ["parameter count", (r.params / 1e9).toFixed(3) + " billion", r.params],
-        ["mesh", Object.entries(r.mesh).map(([a, s]) => `${a} ${s}`).join(" x "), ""],
+        ["mesh", Object.entries(r.mesh).filter(([, s]) => s > 1).map(([a, s]) => `${a} ${s}`).join(" x ") || "one device", ""],
         ...Object.entries(r.memory).map(([k, b]) => [k, gb(b), b]),
-        ["memory per device", `${gb(r.total_memory)} of ${gb(hw.memory)}` + (r.total_memory > hw.memory ? " (does not fit)" : ""), r.total_memory],
+        ["peak per device", `${gb(r.peak)}: ${fits ? "fits" : "does not fit"} (x ${spec.constants.HEADROOM} headroom, of ${gb(hw.memory)})`, r.peak],
         ["bytes sent per device", gb(r.sent), r.sent],
         ["FLOPs per device", r.flops.toExponential(3), r.flops],
         ["compute time", r.compute_time.toFixed(4) + " s", r.compute_time],
         ["communication time", r.comm_time.toFixed(4) + " s", r.comm_time],
-        ["predicted step time", r.step_time.toFixed(4) + " s (" + (r.compute_time >= r.comm_time ? "compute" : "communication") + "-bound)", r.step_time],
+        ["exposed communication", r.exposed.toFixed(4) + " s", r.exposed],
+        ["predicted step time", `${r.step_time.toFixed(4)} s (${r.bound}-bound)`, r.step_time],
       ];
       out.innerHTML =
         `<div class="nnxscale-calc-bar" role="img" aria-label="memory per device by component">${bar}` +
-        `<span class="nnxscale-calc-limit" style="left:${(100 * hw.memory) / scale}%"></span></div>` +
+        `<span class="nnxscale-calc-limit" style="left:${(100 * limit) / scale}%"></span></div>` +
         `<div class="nnxscale-calc-legend">` +
         Object.keys(COLORS).map((k) => `<span><i style="background:${COLORS[k]}"></i>${k}</span>`).join("") +
-        `<span>dashed line: the device's memory</span></div><table class="nnxscale-calc-table"><tbody>` +
+        `<span>dashed line: the device's memory less the headroom</span></div><table class="nnxscale-calc-table"><tbody>` +
         rows.map(([k, text, value]) => `<tr><th>${k}</th><td data-field="${k}" data-value="${value}">${text}</td></tr>`).join("") +
         `</tbody></table>`;
     };
@@ -217,7 +190,7 @@
     render();
   }
 
-  window.nnxscaleCalculator = { stepCost, counts };
+  window.nnxscaleCalculator = { stepCost, evaluate };
   document.querySelectorAll(".nnxscale-calc:not([data-ready])").forEach((root) => {
     root.setAttribute("data-ready", "1");
     setUp(root);

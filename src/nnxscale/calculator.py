@@ -1,8 +1,11 @@
 """The cost model as a calculator in the page: plain JavaScript, no server, no network.
 
-`widget()` returns an HTML output (Jupyter, Colab and the built book all show it) holding
-a form, the constants of `nnxscale.costs` written out as JSON, and `calculator.js`, which
-runs the same formulas as `nnxscale.costs.step_cost` on them in the browser.
+`widget()` returns an HTML output (Jupyter, Colab and the built book all show it) holding a
+form, the formulas `nnxscale.costs.derive` derives from every rule set the planner considers
+(`spec`, as JSON) and `calculator.js`, which evaluates them: a new rule set is a new entry of
+that data, not new code in the page. The script repeats only `step_cost`'s arithmetic rules
+(phases of memory, links, overlap, a pipeline's ticks), and a browser test compares its
+answers with the library's over a grid of inputs.
 """
 
 from __future__ import annotations
@@ -10,29 +13,75 @@ from __future__ import annotations
 import dataclasses
 import html
 import json
+import math
 from importlib import resources
 from typing import Any
 
 from nnxscale import costs
+from nnxscale.costs import OVERLAPS, Setup
 from nnxscale.model import Config
-from nnxscale.rules import STRATEGIES
+from nnxscale.planner import HEADROOM, PLANNED, REMATS
+from nnxscale.rules import STRATEGIES, Rules
+
+DTYPE = "bfloat16"
+"""The compute dtype the calculator prices: what large models train in."""
+
+DEGREES = {"model": "tensor", "stage": "stages", "context": "context", "replica": "replicas"}
+"""The mesh axes whose size the calculator asks for, and the form's name for each."""
+
+
+def setup_for(rules: Rules, devices: int, degrees: dict[str, int], micro: int, remat) -> Setup:
+    """The setup the calculator prices: the axes named in `DEGREES` of the size asked, the
+    rest of the devices on the first other axis the rule set uses (a rule set of one axis
+    takes them all), and the axes it does not use of one device."""
+    used = rules.mesh_axes()
+    sizes = {a: degrees.get(DEGREES[a], 1) for a in rules.axes if a in DEGREES and a in used}
+    if len(rules.axes) == 1:
+        sizes = {}
+    rest = [a for a in rules.axes if a in used and a not in sizes]
+    fixed = math.prod(sizes.values())
+    if rest:
+        sizes[rest[0]] = devices // fixed if devices % fixed == 0 else 0
+    mesh = {a: sizes.get(a, 1) for a in rules.axes}
+    if math.prod(mesh.values()) != devices:
+        raise ValueError(
+            f"a mesh {mesh} for {rules.name} does not use all {devices} devices: choose "
+            "degrees whose product divides the device count"
+        )
+    return Setup.of(rules, mesh, micro, remat)
 
 
 def spec() -> dict[str, Any]:
-    """The constants the JavaScript computes with, all read from the library."""
+    """What the JavaScript computes with, all from the library: hardware, constants, and for
+    each planned rule set and remat policy the formulas `costs.derive` gives."""
+    strategies = {}
+    for name in PLANNED:
+        rules = STRATEGIES[name]
+        pipeline = costs.derive(rules, DTYPE).stage_axis is not None
+        strategies[name] = {
+            "axes": list(rules.axes),
+            "used": [a for a in rules.axes if a in rules.mesh_axes()],
+            "remat": {
+                _remat_name(r): costs.derive(rules, DTYPE, r).json()
+                for r in ((False,) if pipeline else REMATS)
+            },
+        }
     return {
         "hardware": [dataclasses.asdict(hw) for hw in costs.HARDWARE.values()],
-        "splits": {name: list(splits) for name, splits in costs.SPLITS.items()},
-        "strategies": {
-            name: {"axes": list(STRATEGIES[name].axes), "sizes": list(STRATEGIES[name].sizes)}
-            for name in costs.STRATEGY_NAMES
-        },
+        "strategies": strategies,
+        "degrees": DEGREES,
+        "overlaps": list(OVERLAPS),
         "constants": {
-            name: getattr(costs, name)
-            for name in ("STATE_BYTES", "OPTIMIZER_COPIES", "LOGIT_BYTES", "LATENCY", "EFFICIENCY")
+            "EFFICIENCY": costs.EFFICIENCY,
+            "HEADROOM": HEADROOM,
+            "STATE_BYTES": costs.STATE_BYTES,
         },
-        "dtypes": costs.DTYPE_BYTES,
+        "parameters": costs.derive(STRATEGIES["DP"], DTYPE).state["parameters"].json(),
     }
+
+
+def _remat_name(remat: bool | str) -> str:
+    return remat if isinstance(remat, str) else ("full" if remat else "no")
 
 
 FIELDS = (
@@ -46,7 +95,7 @@ FIELDS = (
 
 
 class Calculator:
-    """An HTML output: the form, the constants and the script."""
+    """An HTML output: the form, the formulas and the script."""
 
     def __init__(self, markup: str) -> None:
         self.markup = markup
@@ -62,7 +111,8 @@ def widget(
     hardware: str = "H100",
     devices: int = 8,
     sequences: int = 64,
-    remat: bool = True,
+    micro_batches: int = 4,
+    remat: str = "dots",
 ) -> Calculator:
     """The in-page calculator, starting from `cfg` and a cluster; every input can be changed."""
 
@@ -84,11 +134,14 @@ def widget(
         number("seq", "sequence length (s)", cfg.max_len),
         number("batch", "global batch (sequences)", sequences),
         number("devices", "devices", devices),
-        choice("dtype", "activations", ["bfloat16", "float32"], cfg.compute_dtype),
         choice("hardware", "hardware", list(costs.HARDWARE), hardware),
-        choice("strategy", "strategy", list(costs.STRATEGY_NAMES), strategy),
-        f'<label class="nnxscale-calc-check"><input name="remat" type="checkbox"'
-        f"{' checked' if remat else ''}>remat</label>",
+        choice("strategy", "strategy", list(PLANNED), strategy),
+        number("tensor", "tensor width (model)", 2),
+        number("stages", "pipeline stages", 2),
+        number("context", "context ring", 2),
+        number("replicas", "replicas (HSDP)", 2),
+        number("micro", "micro-batches", micro_batches),
+        choice("remat", "remat", ["no", "dots", "full"], remat),
     ]
     script = resources.files("nnxscale").joinpath("calculator.js").read_text()
     data = json.dumps(spec()).replace("</", "<\\/")
@@ -106,8 +159,6 @@ STYLE = """
 .nnxscale-calc form { display: grid; gap: 0.4rem 0.8rem;
   grid-template-columns: repeat(auto-fill, minmax(9.5rem, 1fr)); margin-bottom: 0.8rem; }
 .nnxscale-calc label { display: flex; flex-direction: column; font-size: 0.85rem; }
-.nnxscale-calc label.nnxscale-calc-check { flex-direction: row; align-items: center;
-  gap: 0.4rem; }
 .nnxscale-calc input[type=number], .nnxscale-calc select { width: 100%; box-sizing: border-box; }
 .nnxscale-calc-bar { position: relative; display: flex; width: 100%; max-width: 100%;
   border: 1px solid #888; margin: 0.3rem 0; }

@@ -1,20 +1,34 @@
-"""The cost model: memory per device, FLOPs, bytes sent and step time of every strategy.
+"""The cost model: what one training step holds, computes and sends on each device, and how
+long it takes.
 
-Pure arithmetic on the sizes of the book's Transformer (`nnxscale.Config`), a strategy, a mesh
-and a hardware description, so it answers for models and clusters far larger than this
-machine. Chapter 11 checks each formula against compiled programs of the book's Transformer,
-and the in-page calculator (`nnxscale.calculator`) runs the same formulas in the browser.
+A strategy is a rule set and the size of each of its mesh axes (`Setup`). Everything the cost
+model says about it is derived from that rule set: the rule set is resolved against the
+abstract model on a mesh of size-1 axes (`jax.sharding.AbstractMesh`, no devices), which
+says which mesh axes split each dimension of each array; bytes per device, the weights a
+step gathers, the gradients it reduces and the activations it splits follow as `Formula`s in
+the model's sizes and the axes' sizes (`derive`). The activations are those JAX's autodiff
+keeps for the book's Transformer (`nnxscale.activations`). The formulas are evaluated for any
+model, cluster and batch (`step_cost`), searched by the planner (`nnxscale.planner`), and
+written into the page for the calculator (`nnxscale.calculator`), which only evaluates them.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
+from flax import nnx
+from jax.sharding import AbstractMesh, AxisType
+
+from nnxscale.activations import LOGICAL, PRIMES, kept
 from nnxscale.comm import ring_bytes
-from nnxscale.model import Config
-from nnxscale.rules import STRATEGIES
+from nnxscale.formula import Formula
+from nnxscale.init import abstract
+from nnxscale.layout import ROUTED, resolve
+from nnxscale.model import CAST_WEIGHTS, Config, create, remat_policy
+from nnxscale.rules import RuleError, Rules
 
 STATE_BYTES = 4
 """Bytes per element of parameters, gradients and optimizer state: float32, as the Trainer
@@ -24,68 +38,84 @@ OPTIMIZER_COPIES = 3
 """Optimizer state per parameter, in parameter-sized copies: AdamW's two moments and the EMA."""
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-"""Bytes per activation value for each compute dtype a `Config` may name."""
+"""Bytes per value of each compute dtype a `Config` may name."""
 
 LOGIT_BYTES = 4
 """Bytes per logit: the model computes its logits, and the loss, in float32."""
 
-LATENCY = 1e-5
-"""Seconds each collective costs before any byte moves (an assumed order of magnitude for
-launch and synchronisation, not a datasheet number: the chapter shows it barely matters)."""
-
 EFFICIENCY = 0.5
-"""The fraction of peak FLOP/s a step's compute reaches (model FLOPs utilisation)."""
+"""The fraction of peak matmul FLOP/s a step's products reach: an assumed model FLOPs
+utilisation (MFU) for accelerators; `benchmarks/time_model.py` measures this machine's."""
 
-SPLITS = {
-    "DP": ("whole", "whole", "whole"),
-    "ZeRO-1": ("whole", "whole", "data"),
-    "ZeRO-2": ("whole", "data", "data"),
-    "FSDP": ("data", "data", "data"),
-    "TP": ("model", "model", "model"),
-    "FSDP+TP": ("data+model", "data+model", "data+model"),
-    "HSDP": ("data", "data", "data"),
-    "PP": ("stage", "stage", "stage"),
+MARGIN = 0.1
+"""The share of a device's memory the planner leaves free: the runtime, the allocator's
+fragmentation and buffers the compiler adds beyond the ledger."""
+
+SIZES = {
+    "vocab": "vocab",
+    "embed": "embed",
+    "heads": "heads",
+    "head_dim": "head_dim",
+    "mlp": "mlp",
+    "length": "max_len",
+    "layers": "layers",
+    "experts": "experts",
 }
-"""How each strategy splits parameters, gradients and optimizer state: `whole` on every
-device, over `data`, over `model` (the arrays tensor parallelism cuts), over both, or over
-pipeline `stage`s (the layers)."""
-
-STRATEGY_NAMES = tuple(SPLITS)
+"""The size each logical axis of a parameter has: the `Config` field of that name."""
 
 
 @dataclasses.dataclass(frozen=True)
 class Hardware:
-    """One accelerator and its links, as the time model sees them.
+    """One accelerator, its memory and its links, as the time model sees them.
 
+    `flops` is peak dense bfloat16 FLOP/s, `hbm` the bytes per second its memory delivers.
     `fast` is the bytes per second one device sends around a ring inside its fast domain of
-    `domain` devices (TPU ICI along one axis, GPU NVLink); `slow` the bytes per second it sends
-    to devices in other domains (data-centre network, InfiniBand). `source` is a key of the
-    book's bibliography.
+    `domain` devices (TPU ICI along one axis, GPU NVLink within a host), `slow` to devices in
+    other domains (data-centre network, InfiniBand); `ring` says whether the fast links form
+    a ring or torus (TPU ICI, where an all-to-all travels part-way around it) rather than a
+    switch (NVLink). `hop` and `far_hop` are the seconds each step of a collective costs
+    before any byte moves, on each kind of link. `source` is a key of the bibliography.
     """
 
     name: str
     flops: float
     memory: float
+    hbm: float
     fast: float
     slow: float
     domain: int
+    ring: bool
+    hop: float
+    far_hop: float
     source: str
 
 
-HARDWARE = {
-    hw.name: hw
-    for hw in (
-        Hardware("TPU v5e", 1.97e14, 16e9, 9.0e10, 3.125e9, 256, "austin2025scaling"),
-        Hardware("TPU v5p", 4.59e14, 96e9, 1.8e11, 6.25e9, 8960, "austin2025scaling"),
-        Hardware("TPU v6e", 9.2e14, 32e9, 1.8e11, 12.5e9, 256, "austin2025scaling"),
-        Hardware("H100", 9.89e14, 80e9, 4.5e11, 5.0e10, 8, "nvidia2023h100"),
-        Hardware("H200", 9.89e14, 141e9, 4.5e11, 5.0e10, 8, "nvidia2024h200"),
-        Hardware("B200", 2.25e15, 180e9, 9.0e11, 5.0e10, 8, "nvidia2024dgxb200"),
-    )
-}
-"""Peak dense bfloat16 FLOP/s, memory and link bandwidths per device. TPU links: ICI
-bidirectional bandwidth of one axis (a ring with wraparound) and DCN per chip; GPU links:
-NVLink one way per GPU and one 400 Gb/s network adapter per GPU."""
+_DATASHEETS = (
+    # name, bf16 FLOP/s, memory, HBM B/s, fast B/s, slow B/s, fast domain, ring, hop s, far hop s
+    ("TPU v5e", 1.97e14, 16e9, 8.1e11, 9.0e10, 3.125e9, 256, True, 1e-6, 1e-5, "austin2025scaling"),
+    ("TPU v5p", 4.59e14, 96e9, 2.8e12, 1.8e11, 6.25e9, 8960, True, 1e-6, 1e-5, "austin2025scaling"),
+    ("TPU v6e", 9.2e14, 32e9, 1.6e12, 1.8e11, 12.5e9, 256, True, 1e-6, 1e-5, "austin2025scaling"),
+    ("H100", 9.89e14, 80e9, 3.35e12, 4.5e11, 5.0e10, 8, False, 3e-6, 1e-5, "nvidia2023h100"),
+    ("H200", 9.89e14, 141e9, 4.8e12, 4.5e11, 5.0e10, 8, False, 3e-6, 1e-5, "nvidia2024h200"),
+    ("B200", 2.25e15, 180e9, 8.0e12, 9.0e11, 5.0e10, 8, False, 3e-6, 1e-5, "nvidia2024dgxb200"),
+)
+HARDWARE = {row[0]: Hardware(*row) for row in _DATASHEETS}
+"""Datasheet numbers per device (links: TPU ICI bidirectional bandwidth of one axis and DCN
+per chip; GPU NVLink one way per GPU and one 400 Gb/s network adapter per GPU). The hop
+latencies are assumed orders of magnitude: about 1 µs per ICI hop (the scaling book), a few
+µs per NVLink step, ten per step across the network."""
+
+
+def hardware(name: str | Hardware) -> Hardware:
+    """The hardware of that name (`HARDWARE`), or the description itself."""
+    if isinstance(name, Hardware):
+        return name
+    if name not in HARDWARE:
+        raise ValueError(
+            f"no hardware named {name!r}: use one of {', '.join(HARDWARE)}, or describe yours "
+            "with nnxscale.costs.Hardware(...)"
+        )
+    return HARDWARE[name]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,37 +149,6 @@ def counts(cfg: Config) -> Counts:
     )
 
 
-def held(cfg: Config, split: str, mesh: Mapping[str, int]) -> float:
-    """Parameters per device (elements) when a state is split as `split` says (`SPLITS`)."""
-    c = counts(cfg)
-    d, t, p = mesh.get("data", 1), mesh.get("model", 1), mesh.get("stage", 1)
-    other = c.total - c.tensor
-    return {
-        "whole": c.total,
-        "data": c.total / d,
-        "model": c.tensor / t + other,
-        "data+model": (c.tensor / t + other) / d,
-        "stage": c.blocks / p + c.total - c.blocks,
-    }[split]
-
-
-def layer_values(
-    cfg: Config,
-    seq: int,
-    model: int = 1,
-    *,
-    sequence_parallel: bool = False,
-    flash: bool = False,
-) -> float:
-    """Activation values one layer keeps per token for its backward pass: the inputs of its
-    matrix products and nonlinearities (4E + 4HD + 2F + H s), tensor-parallel parts split.
-    Sequence parallelism splits the residual stream's 4E too; `flash` attention keeps no
-    scores (its backward recomputes them block by block), dropping the H s term."""
-    residual = 4 * cfg.embed / (model if sequence_parallel else 1)
-    scores = 0 if flash else cfg.heads * seq
-    return residual + (4 * cfg.heads * cfg.head_dim + 2 * cfg.mlp + scores) / model
-
-
 def activation_bytes(
     cfg: Config,
     sequences: float,
@@ -161,15 +160,18 @@ def activation_bytes(
     sequence_parallel: bool = False,
     flash: bool = False,
 ) -> float:
-    """Bytes of activations one device keeps for the backward pass of `sequences` sequences
-    of `seq` tokens: every layer's (or, with remat, every layer's input and one layer rebuilt
-    at a time), plus the final norm's input and output and the float32 logits. Context
-    parallelism gives each device `seq / context` of every sequence's tokens (each query still
-    scores all `seq` keys, one block at a time)."""
+    """The least a backward pass needs, by the textbook count: per layer and token the inputs
+    of its products and nonlinearities, 4E + 4HD + 2F + H s values (tensor-parallel parts
+    split over `model`; sequence parallelism splits the residual stream's 4E too; a `flash`
+    attention keeps no scores), plus the head's; with remat each layer's input and one layer
+    rebuilt. What a compiled program keeps lies above it: the ledger uses `Costs.activations`,
+    calibrated on autodiff, and chapter 11 compares the two."""
     tokens = sequences * seq / context
     width = DTYPE_BYTES[cfg.compute_dtype]
-    split = dict(sequence_parallel=sequence_parallel, flash=flash)
-    layer = tokens * layer_values(cfg, seq, model, **split) * width
+    residual = 4 * cfg.embed / (model if sequence_parallel else 1)
+    scores = 0 if flash else cfg.heads * seq
+    values = residual + (4 * cfg.heads * cfg.head_dim + 2 * cfg.mlp + scores) / model
+    layer = tokens * values * width
     head = tokens * (2 * cfg.embed * width + cfg.vocab / model * LOGIT_BYTES)
     if remat:
         stream = cfg.embed / (model if sequence_parallel else 1)
@@ -177,355 +179,810 @@ def activation_bytes(
     return cfg.layers * layer + head
 
 
-def ring_hop_tokens(hardware: Hardware, dtype: str = "bfloat16") -> float:
-    """Tokens of a sequence per device above which one ring-attention hop computes longer
-    than it takes to send the next key/value block: a chunk of c tokens does 4 c^2 H D FLOPs
-    against 2 c H D values sent, so c >= bytes x FLOP/s x EFFICIENCY / (2 x link bytes/s),
-    whatever the model's shape."""
-    return DTYPE_BYTES[dtype] * hardware.flops * EFFICIENCY / (2 * hardware.fast)
-
-
-def step_flops(cfg: Config, sequences: float, seq: int, *, remat: bool = False) -> float:
+def step_flops(cfg: Config, sequences: float, seq: int, *, remat: bool | str = False) -> float:
     """FLOPs of one training step's matrix products: 3 x the forward pass's (6 x parameters x
-    tokens, plus attention's 12 L b s^2 H D). Remat runs each layer's forward again, all but
-    its last product (the MLP's down projection, whose output the backward does not need)."""
+    tokens, plus attention's 12 L b s^2 H D). Full remat runs each layer's forward again, all
+    but its last product (the MLP's down projection, whose output the backward does not
+    need); the `dots` policy recomputes only attention's two products."""
     c = counts(cfg)
     tokens = sequences * seq
     attention = 4 * cfg.layers * sequences * seq**2 * cfg.heads * cfg.head_dim
     total = 3 * (2 * c.matmul * tokens + attention)
-    if remat:
+    policy = remat_policy(remat)
+    if policy == "full":
         last = cfg.layers * cfg.mlp * cfg.embed
         total += 2 * (c.blocks_matmul - last) * tokens + attention
+    elif policy == "dots":
+        total += attention
     return total
 
 
 @dataclasses.dataclass(frozen=True)
+class Setup:
+    """One way to run a training step: a rule set, the size of each of its mesh axes, the
+    micro-batches a step's batch is cut into (gradient accumulation, or a pipeline's), and
+    the remat policy (`nnxscale.model.REMAT_POLICIES`)."""
+
+    rules: Rules
+    mesh: tuple[tuple[str, int], ...]
+    micro_batches: int = 1
+    remat: bool | str = False
+
+    @classmethod
+    def of(
+        cls,
+        rules: Rules,
+        mesh: Mapping[str, int],
+        micro_batches: int = 1,
+        remat: bool | str = False,
+    ) -> Setup:
+        """A setup from a mesh given as {axis: size}, in the rule set's axis order."""
+        unknown = sorted(set(mesh) - set(rules.axes))
+        if unknown:
+            raise RuleError(
+                f"mesh axes {unknown} are not axes of rule set {rules.name!r} {rules.axes}"
+            )
+        if any(int(s) != s or s < 1 for s in mesh.values()):
+            raise ValueError(f"mesh axis sizes must be positive integers, got {dict(mesh)}")
+        if int(micro_batches) != micro_batches or micro_batches < 1:
+            raise ValueError(f"micro_batches must be a positive integer, got {micro_batches}")
+        remat_policy(remat)
+        shape = tuple((a, int(mesh.get(a, 1))) for a in rules.axes)
+        return cls(rules, shape, int(micro_batches), remat)
+
+    @property
+    def sizes(self) -> dict[str, int]:
+        """{axis: size}."""
+        return dict(self.mesh)
+
+    @property
+    def devices(self) -> int:
+        """Devices the mesh spans."""
+        return math.prod(self.sizes.values())
+
+    def label(self) -> str:
+        """The rule set's name and the axes of more than one device, e.g. `FSDP+TP data 4 x
+        model 2`."""
+        axes = " x ".join(f"{a} {s}" for a, s in self.mesh if s > 1) or "one device"
+        return f"{self.rules.name} {axes}"
+
+
+@dataclasses.dataclass(frozen=True)
 class Transfer:
-    """One kind of collective of a step: over which mesh axis, the bytes of its array (the
-    P of the ring formulas, summed over its executions) and how many executions."""
+    """One group of collectives of a step, as formulas: of `kind` over mesh `axes`, the bytes
+    of the arrays one pass moves (the P of the ring formulas, summed), how many passes a step
+    makes, how many collectives a pass launches, and what compute it may hide behind
+    (`OVERLAPS`). `what` says what it moves."""
 
     kind: str
-    axis: str
-    array_bytes: float
-    count: int
+    axes: tuple[str, ...]
+    array: Formula
+    passes: Formula
+    launches: Formula
+    overlap: str
+    what: str
 
-    def sent(self, mesh: Mapping[str, int]) -> float:
-        """Bytes each device sends for these collectives, by the ring formulas."""
-        return ring_bytes(self.kind, self.array_bytes, mesh[self.axis])
+    def json(self) -> dict[str, object]:
+        """As JSON, for the calculator."""
+        return {
+            "kind": self.kind,
+            "axes": list(self.axes),
+            "array": self.array.json(),
+            "passes": self.passes.json(),
+            "launches": self.launches.json(),
+            "overlap": self.overlap,
+            "what": self.what,
+        }
 
 
-def mesh_for(strategy: str, devices: int, hardware: Hardware | None = None) -> dict[str, int]:
-    """The mesh a strategy runs on: the rule set's own shape (`nnxscale.rules.STRATEGIES`);
-    hybrid sharding puts `replica` across the fast domains when `hardware` is given."""
-    _check_strategy(strategy)
-    rules = STRATEGIES[strategy]
-    if strategy == "HSDP" and hardware is not None:
-        replica = max(1, math.gcd(devices, max(1, devices // hardware.domain)))
-        return {"replica": replica, "data": devices // replica}
-    return dict(zip(rules.axes, rules.mesh_shape(devices), strict=True))
+OVERLAPS = {
+    "gather": "FSDP's weight gathers: prefetched, each behind the previous layer's compute",
+    "reduce": "gradient reductions: each layer's behind the backward pass of the layers below",
+    "update": "ZeRO's gather of updated parameters: behind the next forward pass",
+    "ring": "ring attention's key/value hops: each behind the attention of the block in hand",
+    "blocking": "on the critical path: the next product needs the result (TP, pipeline hops)",
+}
+"""What each class of collective can hide behind, given the step's dependencies."""
 
 
-def transfers(
-    cfg: Config, strategy: str, mesh: Mapping[str, int], sequences: int, seq: int
-) -> list[Transfer]:
-    """The collectives of one training step under `strategy` on `mesh`, by formula.
+@dataclasses.dataclass(frozen=True)
+class Costs:
+    """The formulas of one rule set on the book's Transformer (`derive`): bytes per device of
+    each part of the state and of the step's working memory, matmul FLOPs per device, the
+    collectives, and the divisibility each split needs."""
 
-    P is the gradient's bytes (float32). DP all-reduces it; ZeRO-1 and ZeRO-2 reduce-scatter
-    it and all-gather the updated parameters; FSDP all-gathers the parameters twice (forward
-    and backward) and reduce-scatters the gradient; tensor parallelism all-reduces a layer's
-    activations four times (two forward, two backward) plus the embedding's and the head's,
-    and reduces its 1/t of the gradient over `data`; hybrid sharding runs FSDP inside each
-    group and all-reduces the 1/d shard across groups; a pipeline sends every micro-batch's
-    activations forward and their gradients back.
-    """
-    _check_strategy(strategy)
-    c = counts(cfg)
-    full = c.total * STATE_BYTES
-    d = mesh.get("data", 1)
-    per_replica = sequences * seq / (d * mesh.get("replica", 1))
-    activation = per_replica * cfg.embed * DTYPE_BYTES[cfg.compute_dtype]
-    tp = held(cfg, "model", mesh) * STATE_BYTES
-    layers = cfg.layers
-    if strategy == "DP":
-        return [Transfer("all-reduce", "data", full, 1)]
-    if strategy in ("ZeRO-1", "ZeRO-2"):
-        return [
-            Transfer("reduce-scatter", "data", full, 1),
-            Transfer("all-gather", "data", full, 1),
-        ]
-    if strategy in ("FSDP", "HSDP"):
-        out = [
-            Transfer("all-gather", "data", 2 * full, 2 * layers),
-            Transfer("reduce-scatter", "data", full, layers),
-        ]
-        if strategy == "HSDP":
-            out.append(Transfer("all-reduce", "replica", full / d, 1))
+    rules: Rules
+    state: dict[str, Formula]
+    activations: Formula
+    weights: Formula
+    rebuilt: Formula
+    gradients: Formula
+    layer_gradients: Formula
+    """One layer's gradients as its backward pass makes them, before any reduction."""
+    head_gradients: Formula
+    """The output head's gradients, the first the backward pass makes."""
+    accumulator: Formula
+    head: Formula
+    transfers: tuple[Transfer, ...]
+    flops: Formula
+    splits: tuple[tuple[str, tuple[str, ...]], ...]
+    """(size, mesh axes) pairs: each size must be a multiple of the product of the axes."""
+    stage_axis: str | None
+    """The axis that splits the layers into a pipeline's stages, if any."""
+    batch_axes: tuple[str, ...] = ()
+    """The axes that split the batch's sequences."""
+    ring_axis: str | None = None
+    """The axis that splits every sequence into a ring attention's chunks, if any."""
+    forward_flops: Formula = dataclasses.field(default_factory=Formula)
+    """Matmul FLOPs of the forward pass per device (what FSDP's first gathers and ZeRO's
+    gather of updated parameters hide behind)."""
+    attention_flops: Formula = dataclasses.field(default_factory=Formula)
+    """Matmul FLOPs of attention's two products per device (what a ring's hops hide behind)."""
+
+    def json(self) -> dict[str, object]:
+        """Every formula and axis as JSON: what the calculator evaluates."""
+        out: dict[str, object] = {
+            f.name: getattr(self, f.name)
+            for f in dataclasses.fields(self)
+            if f.name not in ("rules", "state", "transfers", "splits")
+        }
+        out = {k: v.json() if isinstance(v, Formula) else v for k, v in out.items()}
+        out["state"] = {k: v.json() for k, v in self.state.items()}
+        out["transfers"] = [t.json() for t in self.transfers]
+        out["splits"] = [[size, list(axes)] for size, axes in self.splits]
+        out["batch_axes"] = list(self.batch_axes)
         return out
-    if strategy in ("TP", "FSDP+TP"):
-        activations = Transfer("all-reduce", "model", (4 * layers + 2) * activation, 4 * layers + 2)
-        if strategy == "TP":
-            return [activations, Transfer("all-reduce", "data", tp, 1)]
-        return [
-            activations,
-            Transfer("all-gather", "data", 2 * tp, 2 * layers),
-            Transfer("reduce-scatter", "data", tp, layers),
-        ]
-    stages = mesh.get("stage", 1)
-    boundaries = 2 * sequences * seq * cfg.embed * DTYPE_BYTES[cfg.compute_dtype]
-    return [Transfer("collective-permute", "stage", boundaries if stages > 1 else 0, 2)]
+
+
+def _unit_mesh(rules: Rules) -> AbstractMesh:
+    """The rule set's mesh with every axis of size 1: where only the structure of a layout
+    shows (which axes split which dimension), not whether sizes divide."""
+    return AbstractMesh(
+        (1,) * len(rules.axes), rules.axes, axis_types=(AxisType.Auto,) * len(rules.axes)
+    )
+
+
+@functools.cache
+def _parameters(experts: int) -> nnx.State:
+    """The abstract parameters of the book's Transformer with stacked layers (shapes only)."""
+    sizes = {k: v for k, v in PRIMES.items() if k not in ("batch", "seq")}
+    cfg = Config(**sizes, max_len=PRIMES["seq"], scan_layers=True, experts=experts)
+    return nnx.state(abstract(lambda: create(cfg)), nnx.Param)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Array:
+    """One parameter as the cost model sees it: path, logical names, elements, whether the
+    model reads it through a compute-dtype copy, and the axes splitting each dimension by role."""
+
+    path: str
+    names: tuple[str, ...]
+    elements: Formula
+    cast: bool
+    axes: dict[str, tuple[tuple[str, ...], ...]]
+
+    def per_device(self, role: str, itemsize: float = STATE_BYTES) -> Formula:
+        """Bytes one device holds of it in the layout of `role`."""
+        return (self.elements * itemsize).per(a for axes in self.axes[role] for a in axes)
+
+
+def _arrays(rules: Rules, experts: int) -> list[_Array]:
+    """Every parameter of the model with its axes under `rules`, for each role."""
+    if rules.auto_axis is not None:
+        raise RuleError(
+            f"rule set {rules.name!r} splits arrays by their sizes (automatic FSDP): the cost "
+            "model derives layouts from logical names alone. Resolve it at the real sizes "
+            "instead (nnxscale.resolve on an AbstractMesh)."
+        )
+    params, mesh = _parameters(experts), _unit_mesh(rules)
+    layouts = {
+        role: resolve(params, rules, mesh, role=role, warn_bytes=math.inf)
+        for role in ("params", "grads", "optimizer")
+    }
+    found = []
+    for i, placement in enumerate(layouts["params"].placements):
+        names = placement.logical or ()
+        axes = {}
+        for role, layout in layouts.items():
+            spec = layout.placements[i].spec
+            entries = tuple(spec) + (None,) * (len(names) - len(spec))
+            axes[role] = tuple(
+                () if e is None else ((e,) if isinstance(e, str) else tuple(e)) for e in entries
+            )
+        cast = placement.path.split("/")[-1] in CAST_WEIGHTS
+        elements = Formula.product(SIZES[n] for n in names)
+        found.append(_Array(placement.path, names, elements, cast, axes))
+    return found
+
+
+def _order(names: list[str]) -> tuple[str, ...]:
+    """Logical names in the order an array of them is placed: batch, then sequence, the rest."""
+    rank = {"batch": 0, "length": 1}
+    return tuple(sorted(names, key=lambda n: rank.get(n, 2)))
+
+
+def _split(formula: Formula, rules: Rules, *, weights: bool = False) -> Formula:
+    """`formula` (bytes of whole arrays, one term per kind of array) as one device holds it:
+    each term divided by the sizes of the mesh axes that `rules` split its dimensions over,
+    as an activation, or as the read copy of a weight (`weight_axes`)."""
+    from nnxscale.layout import activation_axes, weight_axes
+
+    mesh, out = _unit_mesh(rules), Formula()
+    for powers, coefficient in formula.terms.items():
+        names = _order([LOGICAL.get(n, n) for n, p in powers for _ in range(p)])
+        shape = (1,) * len(names)
+        if weights:
+            axes = weight_axes(shape, names, rules, mesh)[1]
+        else:
+            axes = activation_axes(shape, names, rules, mesh)
+        out += Formula({powers: coefficient}).per(a for dim in axes if dim for a in dim)
+    return out
+
+
+def _per_micro_batch(formula: Formula) -> Formula:
+    """`formula` in `batch` (sequences per step) for one of `micro` micro-batches."""
+    out = Formula()
+    for powers, coefficient in formula.terms.items():
+        term = Formula({powers: coefficient})
+        out += term / "micro" if "batch" in dict(powers) else term
+    return out
+
+
+def _ordered(axes: Iterable[str], rules: Rules) -> tuple[str, ...]:
+    found = set(axes)
+    return tuple(a for a in rules.axes if a in found)
+
+
+def _tensor_axes(arrays: list[_Array], name: str, rules: Rules) -> tuple[str, ...]:
+    """The mesh axes, other than the tokens', that split dimension `name` of the weights: the
+    axes over which the products that contract it are tensor-parallel."""
+    tokens = set(rules.token_axes(rules.axes))
+    for array in arrays:
+        for dim, axes in zip(array.names, array.axes["params"], strict=True):
+            if dim == name and axes and name in ("heads", "mlp", "vocab"):
+                return _ordered((a for a in axes if a not in tokens), rules)
+    return ()
+
+
+def _weight_transfers(
+    arrays: list[_Array], rules: Rules, passes: Formula, reductions: Formula, width: float
+) -> list[Transfer]:
+    """Gathers of weights split over the tokens' axes (FSDP), reductions of the gradients
+    over those axes, and ZeRO's gather of updated parameters, from the arrays' layouts."""
+    tokens = set(rules.token_axes(rules.axes))
+    groups: dict[tuple[str, tuple[str, ...], str], Formula] = {}
+
+    def add(kind: str, axes: Iterable[str], overlap: str, value: Formula) -> None:
+        key = (kind, _ordered(axes, rules), overlap)
+        if key[1]:
+            groups[key] = groups.get(key, Formula()) + value
+
+    for a in arrays:
+        stored = [set(x) for x in a.axes["params"]]
+        routed = [n in ROUTED for n in a.names]
+        gathered = {x for dim, r in zip(stored, routed, strict=True) if not r for x in dim & tokens}
+        read = [dim if r else dim - tokens for dim, r in zip(stored, routed, strict=True)]
+        itemsize = width if a.cast else STATE_BYTES
+        local = a.elements.per(x for dim in read for x in dim)
+        add("all-gather", gathered, "gather", local * itemsize)
+        summed = tokens - {x for dim, r in zip(stored, routed, strict=True) if r for x in dim}
+        scattered = summed & {x for dim in a.axes["optimizer"] for x in dim}
+        add("reduce-scatter", scattered, "reduce", local * STATE_BYTES)
+        add("all-reduce", summed - scattered, "reduce", (local * STATE_BYTES).per(scattered))
+        updated = {x for dim in a.axes["optimizer"] for x in dim} - {
+            x for dim in stored for x in dim
+        }
+        held = a.elements.per(x for dim in stored for x in dim)
+        add("all-gather", updated & tokens, "update", held * STATE_BYTES)
+    return [
+        Transfer(
+            kind,
+            axes,
+            array,
+            passes if overlap == "gather" else reductions if overlap == "reduce" else Formula.of(1),
+            Formula.of("layers"),
+            overlap,
+            {"gather": "weights", "reduce": "gradients", "update": "updated parameters"}[overlap],
+        )
+        for (kind, axes, overlap), array in groups.items()
+    ]
+
+
+def _activation_transfers(
+    arrays: list[_Array], rules: Rules, width: float, passes: int
+) -> list[Transfer]:
+    """Tensor parallelism's all-reduces of the residual stream (two per layer for each of
+    attention and MLP if their weights are split, two for a vocabulary-parallel embedding and
+    head), and ring attention's key/value hops when the sequence is split."""
+    stream = _per_micro_batch(_split(Formula.product(["batch", "seq", "embed"], width), rules))
+    found = []
+    for name, per_layer, what in (
+        ("heads", True, "attention"),
+        ("mlp", True, "MLP"),
+        ("vocab", False, "embedding and head"),
+    ):
+        axes = _tensor_axes(arrays, name, rules)
+        if axes:
+            count = Formula.of("layers") * passes if per_layer else Formula.of(2)
+            found.append(
+                Transfer(
+                    "all-reduce",
+                    axes,
+                    stream,
+                    count * "micro",
+                    count,
+                    "blocking",
+                    f"{what} outputs",
+                )
+            )
+    context = _split(Formula.of("seq"), rules).names() & set(rules.axes)
+    if context:
+        (axis,) = context
+        block = _per_micro_batch(
+            _split(Formula.product(["batch", "seq", "heads", "head_dim"], 2 * width), rules)
+        )
+        hops = Formula.of(axis) - 1
+        found.append(
+            Transfer(
+                "collective-permute",
+                (axis,),
+                block,
+                Formula.of("layers") * hops * 2 * "micro",
+                Formula.of("layers") * hops * 2,
+                "ring",
+                "keys and values",
+            )
+        )
+    return found
+
+
+def _flops(remat: str | None) -> Formula:
+    """Matmul FLOPs of one step over all devices (`step_flops`), as a formula."""
+    tokens = Formula.product(["batch", "seq"])
+    layer = Formula.product(["embed", "heads", "head_dim"], 4) + Formula.product(
+        ["embed", "mlp"], 2
+    )
+    matmul = layer * "layers" + Formula.product(["embed", "vocab"])
+    attention = Formula.product(["layers", "batch", "seq", "seq", "heads", "head_dim"], 4)
+    total = (matmul * tokens * 2 + attention) * 3
+    if remat == "full":
+        total += (layer - Formula.product(["embed", "mlp"])) * "layers" * tokens * 2 + attention
+    elif remat == "dots":
+        total += attention
+    return total
+
+
+_DERIVED: dict[tuple[str, str, object, int], Costs] = {}
+
+
+def derive(
+    rules: Rules, compute_dtype: str = "float32", remat: bool | str = False, experts: int = 0
+) -> Costs:
+    """The formulas of one training step of the book's Transformer under `rules`, in the
+    model's sizes, `batch` (sequences per step), `seq`, `micro` (micro-batches) and the size
+    of each mesh axis: derived from the layout `rules` give the abstract model (once per
+    rule set, dtype and remat policy)."""
+    key = (repr(rules), compute_dtype, remat_policy(remat), experts)
+    if key not in _DERIVED:
+        _DERIVED[key] = _derive(rules, compute_dtype, remat, experts)
+    return _DERIVED[key]
+
+
+def _derive(rules: Rules, compute_dtype: str, remat: bool | str, experts: int) -> Costs:
+    policy = remat_policy(remat)
+    width = DTYPE_BYTES[compute_dtype]
+    arrays = _arrays(rules, experts)
+    tokens = set(rules.token_axes(rules.axes))
+    state = {
+        "parameters": _total(a.per_device("params") for a in arrays),
+        "optimizer state": _total(a.per_device("optimizer") for a in arrays) * OPTIMIZER_COPIES,
+    }
+    # gradients are held as the optimizer state that reads them is split: XLA's partitioner
+    # splits a gradient only a split update reads, whatever the rule set says of `grads`
+    gradients = _total(a.per_device("optimizer") for a in arrays)
+    head_gradients = _total(a.per_device("optimizer") for a in arrays if a.path == "head")
+    splits = sorted(
+        {
+            (SIZES[n], axes)
+            for a in arrays
+            for role in a.axes.values()
+            for n, axes in zip(a.names, role, strict=True)
+            if axes
+        }
+    )
+    stage = _tensor_stage(arrays)
+    if stage is not None:
+        return _pipeline(
+            rules, arrays, state, gradients, head_gradients, tuple(splits), stage, width
+        )
+    layer_gradients = _total(
+        (a.elements * STATE_BYTES / "layers").per(
+            x for d in a.axes["params"] for x in d if x not in tokens
+        )
+        for a in arrays
+        if "layers" in a.names
+    )
+    ring = _context_axis(rules)
+    k = kept(compute_dtype, policy or False, ring=ring is not None)
+    activations = _per_micro_batch(
+        _split(k.layer * "layers" + k.model, rules) + _local(k.local, rules)
+    )
+    copies = compute_dtype != "float32" or any(
+        tokens & {x for d in a.axes["params"] for x in d} for a in arrays
+    )
+    weights = Formula()
+    if copies:
+        weights = _split(k.weights * "layers" + k.head_weights, rules, weights=True)
+    rebuilt = _per_micro_batch(
+        _split(k.rebuilt, rules) if ring is None else _local(k.rebuilt, rules)
+    )
+    if policy and copies:
+        rebuilt += _split(kept(compute_dtype).weights, rules, weights=True)
+    head = _per_micro_batch(_split(Formula.product(["batch", "seq", "vocab"], LOGIT_BYTES), rules))
+    passes = Formula.of("micro") * (2 if policy else 1)
+    transfers = _weight_transfers(arrays, rules, passes, Formula.of("micro"), width)
+    transfers += _activation_transfers(arrays, rules, width, 3 if policy == "full" else 2)
+    accumulator = gradients
+    flops = _flops(policy).per(rules.axes)
+    extra = _extra(rules)
+    return Costs(
+        rules,
+        state,
+        activations,
+        weights,
+        rebuilt,
+        gradients,
+        layer_gradients,
+        head_gradients,
+        accumulator,
+        head,
+        tuple(transfers),
+        flops,
+        tuple(splits),
+        None,
+        **extra,
+    )
+
+
+def _extra(rules: Rules, pipeline: bool = False) -> dict[str, object]:
+    """The batch's and the ring's axes, and the forward pass's and attention's FLOPs per
+    device (a pipeline's backward runs its stage's forward again)."""
+    ring = _context_axis(rules)
+    tokens = Formula.product(["batch", "seq"])
+    layer = Formula.product(["embed", "heads", "head_dim"], 4) + Formula.product(
+        ["embed", "mlp"], 2
+    )
+    attention = Formula.product(["layers", "batch", "seq", "seq", "heads", "head_dim"], 4)
+    forward = (layer * "layers" + Formula.product(["embed", "vocab"])) * tokens * 2 + attention
+    return {
+        "batch_axes": tuple(a for a in rules.token_axes(rules.axes) if a != ring),
+        "ring_axis": ring,
+        "forward_flops": (forward * (2 if pipeline else 1)).per(rules.axes),
+        "attention_flops": (attention * 3).per(rules.axes),
+    }
+
+
+def _context_axis(rules: Rules) -> str | None:
+    """The mesh axis, other than the batch's, that `rules` split the sequence over (a ring)."""
+    batch = set(rules.token_axes(())) | {
+        a for c in rules.logical.get("batch", ()) for a in ((c,) if isinstance(c, str) else c)
+    }
+    for candidate in rules.logical.get("length", ()):
+        for axis in (candidate,) if isinstance(candidate, str) else candidate:
+            if axis not in batch:
+                return axis
+    return None
+
+
+def _local(formula: Formula, rules: Rules) -> Formula:
+    """A ring's kept blocks, already per device along the sequence (in `chunk`), split over
+    the other axes as activations are, with `chunk` as `seq / context`."""
+    axis = _context_axis(rules)
+    return (
+        _split(formula, rules).replace("chunk", {"seq": 1, axis: -1}).replace("context", {axis: 1})
+    )
+
+
+def _total(formulas: Iterable[Formula]) -> Formula:
+    return sum(formulas, Formula())
+
+
+def _pipeline(
+    rules: Rules,
+    arrays: list[_Array],
+    state: dict[str, Formula],
+    gradients: Formula,
+    head_gradients: Formula,
+    splits: tuple[tuple[str, tuple[str, ...]], ...],
+    stage: str,
+    width: float,
+) -> Costs:
+    """The formulas of a step on `nnxscale.pipeline`'s executor with a 1F1B schedule of
+    `micro` micro-batches over `stage`: each device keeps min(stage, micro) stage inputs and
+    one output gradient in its buffers, rebuilds one micro-batch's stage in each backward
+    task (the executor recomputes instead of keeping activations), sums its stage's
+    gradients whole (gathered once per step over an inner FSDP axis, in float32, and
+    reduce-scattered once), and hands an activation forward and a gradient back every tick.
+    The last stage also computes the logits of a micro-batch."""
+    tokens = set(rules.token_axes(rules.axes))
+    whole = _total(
+        a.elements.per(x for d in a.axes["params"] for x in d if x not in tokens) * STATE_BYTES
+        for a in arrays
+    )
+    k = kept("float32" if width == 4 else "bfloat16")
+    micro = _per_micro_batch(_split(Formula.product(["batch", "seq", "embed"], width), rules))
+    slots = Formula.of(stage) + 1  # min(stage, micro) inputs and one gradient, at micro >= stage
+    one_stage = (_split(k.layer, rules) * "layers").per([stage])
+    rebuilt = _per_micro_batch(one_stage) + (_split(k.weights, rules, weights=True) * "layers").per(
+        [stage]
+    )
+    head = _per_micro_batch(
+        _split(Formula.product(["batch", "seq", "vocab"], 2 * LOGIT_BYTES) + k.model, rules)
+    )
+    once = Formula.of(1)
+    transfers = _weight_transfers(arrays, rules, once, once, STATE_BYTES)
+    ticks = (Formula.of("micro") + stage - 1) * 2
+    transfers.append(
+        Transfer(
+            "collective-permute",
+            (stage,),
+            micro,
+            ticks * 2,
+            ticks * 2,
+            "blocking",
+            "stage inputs and their gradients",
+        )
+    )
+    flops = (_flops(None) * Formula.of(4) / 3).per(
+        rules.axes
+    )  # the backward recomputes the forward
+    weights = whole if tokens else Formula()  # the stage's weights, gathered once per step
+    return Costs(
+        rules,
+        state,
+        micro * slots,
+        weights,
+        rebuilt,
+        whole,
+        Formula(),
+        head_gradients,
+        whole,
+        head,
+        tuple(transfers),
+        flops,
+        splits,
+        stage,
+        **_extra(rules, pipeline=True),
+    )
+
+
+def _tensor_stage(arrays: list[_Array]) -> str | None:
+    """The mesh axis that splits the stacked layers (a pipeline's stages), if any."""
+    for a in arrays:
+        for name, axes in zip(a.names, a.axes["params"], strict=True):
+            if name == "layers" and axes:
+                return axes[0]
+    return None
+
+
+def sizes_of(cfg: Config, setup: Setup, batch: int, seq: int) -> dict[str, float]:
+    """The value of every size the formulas use: the model's, the step's and the mesh's."""
+    model = {
+        name: getattr(cfg, name)
+        for name in ("vocab", "embed", "heads", "head_dim", "mlp", "layers", "max_len", "experts")
+    }
+    return {**model, "batch": batch, "seq": seq, "micro": setup.micro_batches, **setup.sizes}
+
+
+def unsuitable(cfg: Config, setup: Setup, batch: int, seq: int) -> str:
+    """Why `setup` cannot run this model and batch as the cost model prices it, or ""."""
+    costs = derive(setup.rules, cfg.compute_dtype, setup.remat, cfg.experts)
+    sizes = sizes_of(cfg, setup, batch, seq)
+    for size, axes in costs.splits:
+        n = math.prod(setup.sizes[a] for a in axes)
+        if sizes[size] % n:
+            name = "x".join(axes)
+            return f"the {name} axis ({n}) does not divide {size} ({sizes[size]})"
+    split = math.prod(setup.sizes[a] for a in costs.batch_axes)
+    if batch % (split * setup.micro_batches):
+        parts = f"{setup.micro_batches} micro-batches x {split} devices"
+        return f"the batch of {batch} sequences does not split into {parts}"
+    ring = setup.sizes.get(costs.ring_axis, 1) if costs.ring_axis else 1
+    if seq % (2 * ring):
+        return f"{seq} tokens do not cut into 2 x {ring} chunks for the zig-zag ring"
+    if seq > cfg.max_len:
+        return f"sequences of {seq} tokens exceed the model's max_len ({cfg.max_len})"
+    stages = setup.sizes.get(costs.stage_axis, 1) if costs.stage_axis else 1
+    if setup.micro_batches < stages:
+        return f"{stages} stages need at least {stages} micro-batches (1F1B)"
+    return ""
+
+
+@dataclasses.dataclass(frozen=True)
+class Collective:
+    """A group of collectives of one step, evaluated: bytes sent per device, seconds it takes
+    on the link its axes cross, and the seconds left exposed after overlap."""
+
+    transfer: Transfer
+    group: int
+    array_bytes: float
+    sent: float
+    seconds: float
+    exposed: float
 
 
 @dataclasses.dataclass(frozen=True)
 class StepCost:
     """What the cost model predicts for one training step on one device."""
 
-    strategy: str
-    mesh: dict[str, int]
+    setup: Setup
     memory: dict[str, float]
-    """Bytes per device: parameters, gradients, optimizer state, activations."""
+    """Bytes per device at the step's peak, by part: parameters and optimizer state (the
+    state, at rest between steps), and the working memory of the step's busiest moment."""
+    phases: dict[str, float]
+    """Working memory at each candidate for the peak (the peak is the largest)."""
     flops: float
-    """FLOPs per device."""
-    transfers: list[Transfer]
-    sent: float
-    """Bytes each device sends per step."""
+    collectives: tuple[Collective, ...]
     compute_time: float
-    comm_time: float
     bubble: float
-    """Fraction of a pipeline's ticks its devices idle (0 for the other strategies)."""
     step_time: float
 
     @property
-    def total_memory(self) -> float:
-        """Bytes per device of everything in the ledger."""
+    def peak(self) -> float:
+        """Bytes per device at the step's peak: the state plus the working memory."""
         return sum(self.memory.values())
 
     @property
+    def state(self) -> float:
+        """Bytes per device of parameters and optimizer state (what is held between steps)."""
+        return self.memory["parameters"] + self.memory["optimizer state"]
+
+    @property
+    def sent(self) -> float:
+        """Bytes each device sends per step."""
+        return sum(c.sent for c in self.collectives)
+
+    @property
+    def comm_time(self) -> float:
+        """Seconds of the step's collectives, hidden or not."""
+        return sum(c.seconds for c in self.collectives)
+
+    @property
+    def exposed(self) -> float:
+        """Seconds of collectives that compute does not hide."""
+        return sum(c.exposed for c in self.collectives)
+
+    @property
     def bound(self) -> str:
-        """Which side sets the step time: compute or communication."""
-        return "compute" if self.compute_time >= self.comm_time else "communication"
+        """What sets the step time: compute, or communication that compute cannot hide."""
+        return "compute" if self.exposed <= 0.5 * self.step_time else "communication"
+
+
+def memory_phases(costs: Costs, sizes: Mapping[str, float], micro: int) -> dict[str, float]:
+    """Working memory (beyond the state) at the moments that can be a step's peak: the start
+    of the backward pass (every layer's activations and weight copies, the logits' gradient
+    and the head's gradients), a layer's backward pass (its gradients made, and with remat
+    its activations rebuilt), and the optimizer's update (every gradient, and the update
+    beside it). With micro-batches, the running sum of gradients is held throughout. On a
+    pipeline, a backward task: the buffers, a stage rebuilt, the stage's gradients."""
+    if costs.stage_axis is not None:
+        parts = (costs.activations, costs.rebuilt, costs.gradients, costs.weights, costs.head)
+        return {"a backward task": sum(f(sizes) for f in parts)}
+    accumulate = costs.accumulator(sizes) if micro > 1 else 0.0
+    kept = costs.activations(sizes) + costs.weights(sizes) + costs.head_gradients(sizes)
+    return {
+        "backward starts": kept + costs.head(sizes) + accumulate,
+        "a layer's backward": kept
+        + costs.rebuilt(sizes)
+        + costs.layer_gradients(sizes)
+        + accumulate,
+        "update": 2 * costs.gradients(sizes) + accumulate,
+    }
+
+
+def link(axes: Iterable[str], mesh: Mapping[str, int], hw: Hardware) -> tuple[float, float]:
+    """Bytes per second and seconds per step of a collective over mesh `axes`: the fast
+    links if the devices along them lie in one fast domain, else the slow ones. Devices fill
+    the mesh with the last axis fastest, so the devices along the axes span the sizes from
+    the first of them to the last axis of the mesh."""
+    names = list(mesh)
+    first = min(names.index(a) for a in axes)
+    span = math.prod(mesh[a] for a in names[first:])
+    return (hw.fast, hw.hop) if span <= hw.domain else (hw.slow, hw.far_hop)
+
+
+def collective_seconds(
+    kind: str, array: float, n: int, mesh: Mapping[str, int], axes: Iterable[str], hw: Hardware
+) -> tuple[float, float]:
+    """Bytes one device sends for a collective of `kind` on an array of `array` bytes over `n`
+    devices, and its seconds: a latency per ring step plus the bytes over the link. An
+    all-to-all's `array` is one device's buffer; on a ring it travels part-way around (the
+    scaling book: a quarter of an all-gather of the whole array), through a switch only
+    the pieces for others leave."""
+    bandwidth, hop = link(axes, mesh, hw)
+    ring = bandwidth == hw.fast and hw.ring
+    steps = {"all-reduce": 2 * (n - 1), "collective-permute": 1}.get(kind, n - 1)
+    if kind == "all-to-all":
+        sent = (n - 1) / n * array
+        moved = n * array * (n - 1) / n / 4 if ring else sent
+    else:
+        sent = ring_bytes(kind, array, n)
+        moved = sent
+    return sent, steps * hop + moved / bandwidth
+
+
+def _exposed(
+    transfer: Transfer, seconds: float, pieces: float, window: Mapping[str, float]
+) -> float:
+    """Seconds of a group of collectives that compute does not hide: all of it on the
+    critical path (`blocking`); otherwise what exceeds the compute it can overlap, plus the
+    first piece, which nothing precedes (`OVERLAPS`)."""
+    if transfer.overlap == "blocking":
+        return seconds
+    return max(0.0, seconds - window[transfer.overlap]) + seconds / max(1.0, pieces)
 
 
 def step_cost(
     cfg: Config,
-    strategy: str,
-    devices: int,
-    hardware: Hardware,
-    sequences: int,
+    setup: Setup,
+    hw: Hardware | str,
+    batch: int,
     seq: int | None = None,
     *,
-    remat: bool = False,
-    mesh: Mapping[str, int] | None = None,
     efficiency: float = EFFICIENCY,
-    overlap: bool = True,
-    micro_batches: int | None = None,
 ) -> StepCost:
-    """Memory per device, FLOPs, bytes sent and time of one step of `sequences` sequences of
-    `seq` tokens (default `cfg.max_len`) under `strategy` on `devices` devices of `hardware`.
+    """Memory per device at the step's peak, FLOPs, collectives and time of one step of
+    `batch` sequences of `seq` tokens (default `cfg.max_len`) under `setup` on `hw`.
 
-    Compute runs at `efficiency` of peak; each collective costs `LATENCY` plus its bytes over
-    the link its axis runs on (fast inside a domain, slow across); with `overlap` the step
-    takes the longer of compute and communication, else their sum. A pipeline runs 1F1B with
-    `micro_batches` (default 4 per stage) and idles (p-1)/(m+p-1) of its ticks.
+    Compute runs at `efficiency` of peak matmul FLOP/s, plus the bytes elementwise work and
+    the optimizer move through memory at the device's bandwidth. Each collective costs a
+    latency per ring step and its bytes over the link its axes cross (`link`); what compute
+    can hide it behind depends on the step's dependencies (`OVERLAPS`). A pipeline runs the
+    executor's lockstep ticks: each as long as a backward task (a stage rebuilt and
+    differentiated, three forward passes' worth), two hand-overs per tick.
     """
+    hw = hardware(hw)
     seq = seq or cfg.max_len
-    mesh = dict(mesh or mesh_for(strategy, devices, hardware))
-    if math.prod(mesh.values()) != devices:
-        raise ValueError(f"mesh {mesh} has {math.prod(mesh.values())} devices, not {devices}")
-    params_split, grads_split, optimizer_split = SPLITS[strategy]
-    t, p = mesh.get("model", 1), mesh.get("stage", 1)
-    batch_split = mesh.get("data", 1) * mesh.get("replica", 1)
-    bubble, in_flight = 0.0, sequences / batch_split
-    cfg_held = cfg
-    if strategy == "PP":
-        m = micro_batches or 4 * p
-        bubble = (p - 1) / (m + p - 1)
-        in_flight = min(p, m) * sequences / m
-        cfg_held = cfg.replace(layers=math.ceil(cfg.layers / p))
-    memory = {
-        "parameters": held(cfg, params_split, mesh) * STATE_BYTES,
-        "gradients": held(cfg, grads_split, mesh) * STATE_BYTES,
-        "optimizer state": held(cfg, optimizer_split, mesh) * STATE_BYTES * OPTIMIZER_COPIES,
-        "activations": activation_bytes(cfg_held, in_flight, seq, model=t, remat=remat),
-    }
-    flops = step_flops(cfg, sequences, seq, remat=remat) / devices
-    moves = transfers(cfg, strategy, mesh, sequences, seq)
-    sent = sum(x.sent(mesh) for x in moves)
-    compute = flops / (hardware.flops * efficiency) / (1 - bubble)
-    comm = sum(
-        LATENCY * x.count + x.sent(mesh) / link_bandwidth(x.axis, mesh, hardware)
-        for x in moves
-        if mesh[x.axis] > 1
+    costs = derive(setup.rules, cfg.compute_dtype, setup.remat, cfg.experts)
+    sizes = sizes_of(cfg, setup, batch, seq)
+    mesh = setup.sizes
+    phases = memory_phases(costs, sizes, setup.micro_batches)
+    memory = {name: f(sizes) for name, f in costs.state.items()}
+    memory["working memory"] = max(phases.values())
+    flops = costs.flops(sizes)
+    traffic = (
+        2 * costs.activations(sizes)
+        + 3 * costs.weights(sizes)
+        + 3 * sum(memory[k] for k in costs.state)
     )
-    step = max(compute, comm) if overlap else compute + comm
-    return StepCost(strategy, mesh, memory, flops, moves, sent, compute, comm, bubble, step)
-
-
-@dataclasses.dataclass(frozen=True)
-class Option:
-    """One strategy for a plan: its predicted cost (with or without remat), or why it fails."""
-
-    strategy: str
-    cost: StepCost | None
-    remat: bool
-    reason: str = ""
-
-    @property
-    def fits(self) -> bool:
-        """Whether the strategy runs: its mesh suits the model and batch and it fits memory."""
-        return not self.reason
-
-
-class Plan:
-    """The strategies for one model, cluster and batch: those that fit ranked by predicted
-    step time (then bytes sent, then memory), and why each of the others does not fit."""
-
-    def __init__(self, options: list[Option], hardware: Hardware, memory: float) -> None:
-        fit = sorted(
-            (o for o in options if o.fits),
-            key=lambda o: (round(o.cost.step_time, 9), o.cost.sent, o.cost.total_memory),
-        )
-        self.ranked = fit
-        self.rejected = [o for o in options if not o.fits]
-        self.hardware = hardware
-        self.memory = memory
-
-    @property
-    def best(self) -> Option:
-        """The fastest strategy that fits; an error if none does."""
-        if not self.ranked:
-            reasons = "; ".join(f"{o.strategy}: {o.reason}" for o in self.rejected)
-            raise ValueError(f"no strategy fits: {reasons}")
-        return self.ranked[0]
-
-    def __getitem__(self, strategy: str) -> Option:
-        for option in (*self.ranked, *self.rejected):
-            if option.strategy == strategy:
-                return option
-        raise KeyError(strategy)
-
-    def _repr_markdown_(self) -> str:
-        from nnxscale.display import table
-
-        rows = []
-        for rank, o in enumerate([*self.ranked, *self.rejected], start=1):
-            c = o.cost
-            mesh = " x ".join(f"{k} {v}" for k, v in (c.mesh if c else {}).items())
-            rows.append(
-                [
-                    rank if o.fits else "-",
-                    o.strategy,
-                    mesh or "-",
-                    "yes" if o.remat else "no",
-                    f"{c.total_memory / 1e9:.1f}" if c else "-",
-                    f"{c.sent / 1e9:.2f}" if c else "-",
-                    f"{c.step_time:.3f} ({c.bound})" if c and o.fits else "-",
-                    o.reason or "fits",
-                ]
+    compute = flops / (hw.flops * efficiency) + traffic / hw.hbm
+    forward = compute * costs.forward_flops(sizes) / flops
+    window = {
+        "gather": compute,
+        "reduce": compute - forward,
+        "update": forward,
+        "ring": compute * costs.attention_flops(sizes) / flops,
+    }
+    found = []
+    for t in costs.transfers:
+        n = math.prod(mesh[a] for a in t.axes)
+        if n == 1:
+            continue
+        array, passes = t.array(sizes), t.passes(sizes)
+        sent, seconds = collective_seconds(t.kind, array, n, mesh, t.axes, hw)
+        total = passes * seconds
+        found.append(
+            Collective(
+                t, n, array, passes * sent, total, _exposed(t, total, t.launches(sizes), window)
             )
-        headers = [
-            "rank",
-            "strategy",
-            "mesh",
-            "remat",
-            "GB per device",
-            "GB sent per device",
-            "step (s)",
-            "verdict",
-        ]
-        return str(table(headers, rows, f"{self.hardware.name}, {self.memory / 1e9:.0f} GB"))
-
-
-def plan(
-    cfg: Config,
-    devices: int,
-    hardware: Hardware | str,
-    memory_per_device: float | None = None,
-    global_batch: int = 8,
-    seq: int | None = None,
-    **options: object,
-) -> Plan:
-    """Every strategy for training `cfg` on `devices` devices of `hardware` with batches of
-    `global_batch` sequences of `seq` tokens: ranked if it fits `memory_per_device` (default:
-    the device's memory), first without remat, then with; else the reason it does not.
-    `options` go to `step_cost` (efficiency, overlap, micro_batches)."""
-    hw = HARDWARE[hardware] if isinstance(hardware, str) else hardware
-    budget = memory_per_device or hw.memory
-    seq = seq or cfg.max_len
-    result = []
-    for strategy in STRATEGY_NAMES:
-        mesh = mesh_for(strategy, devices, hw)
-        reason = unsuitable(cfg, strategy, mesh, global_batch, options.get("micro_batches"))
-        if reason:
-            result.append(Option(strategy, None, False, reason))
-            continue
-        costs = [
-            step_cost(cfg, strategy, devices, hw, global_batch, seq, remat=r, mesh=mesh, **options)
-            for r in (False, True)
-        ]
-        fitting = [c for c in costs if c.total_memory <= budget]
-        if fitting:
-            result.append(Option(strategy, fitting[0], fitting[0] is costs[1]))
-            continue
-        c = costs[1]
-        parts = ", ".join(f"{k} {v / 1e9:.1f}" for k, v in c.memory.items())
-        reason = f"needs {c.total_memory / 1e9:.1f} GB even with remat ({parts})"
-        result.append(Option(strategy, c, True, reason))
-    return Plan(result, hw, budget)
-
-
-def unsuitable(
-    cfg: Config,
-    strategy: str,
-    mesh: Mapping[str, int],
-    global_batch: int,
-    micro_batches: object = None,
-) -> str:
-    """Why a strategy's mesh cannot run this model and batch as the cost model assumes, or ""."""
-    split = mesh.get("data", 1) * mesh.get("replica", 1)
-    if global_batch % split:
-        return f"the batch of {global_batch} sequences does not split over {split} devices"
-    t = mesh.get("model", 1)
-    uncut = [n for n in ("heads", "mlp", "vocab") if getattr(cfg, n) % t]
-    if uncut:
-        return f"the model axis ({t}) does not divide {', '.join(uncut)}"
-    d = mesh.get("data", 1)
-    if SPLITS[strategy][2].startswith("data") and cfg.embed % d:
-        return f"the data axis ({d}) does not divide embed ({cfg.embed})"
-    p = mesh.get("stage", 1)
-    if cfg.layers % p:
-        return f"{p} stages do not divide {cfg.layers} layers"
-    m = micro_batches or 4 * p
-    if strategy == "PP" and global_batch % m:
-        return f"the batch of {global_batch} sequences does not split into {m} micro-batches"
-    return ""
-
-
-def link_bandwidth(axis: str, mesh: Mapping[str, int], hardware: Hardware) -> float:
-    """Bytes per second of a ring along `axis`: fast if its devices lie in one domain.
-
-    Devices fill the mesh with the last axis fastest, so the devices along `axis` span its
-    size times the sizes of the axes after it.
-    """
-    names = list(mesh)
-    span = math.prod(mesh[a] for a in names[names.index(axis) :])
-    return hardware.fast if span <= hardware.domain else hardware.slow
-
-
-def fsdp_crossover(cfg: Config, hardware: Hardware, efficiency: float = EFFICIENCY) -> float:
-    """Tokens per device below which FSDP is communication-bound on the fast links.
-
-    Compute is 6 x matmul parameters x tokens / (peak x efficiency); FSDP sends about
-    3 x parameters x 4 bytes over `fast`: they are equal at this many tokens.
-    """
-    c = counts(cfg)
-    return 3 * c.total * STATE_BYTES * hardware.flops * efficiency / (6 * c.matmul * hardware.fast)
-
-
-def _check_strategy(strategy: str) -> None:
-    if strategy not in SPLITS:
-        raise ValueError(
-            f"no cost model for strategy {strategy!r}; use one of {', '.join(STRATEGY_NAMES)}"
         )
+    bubble = 0.0
+    if costs.stage_axis is not None:
+        p, m = mesh[costs.stage_axis], setup.micro_batches
+        lockstep = 2 * (m + p - 1) * 0.75 * compute / m
+        bubble, compute = 1 - compute / lockstep, lockstep
+    step = compute + sum(c.exposed for c in found)
+    return StepCost(setup, memory, phases, flops, tuple(found), compute, bubble, step)
 
 
 SEVEN_B = Config(
@@ -537,9 +994,51 @@ SEVEN_B = Config(
     layers=32,
     max_len=4096,
     dropout=0.0,
+    scan_layers=True,
     compute_dtype="bfloat16",
 )
 """A 6.7 B-parameter model of the book's architecture (GPT-3 6.7B's shape)."""
 
 SEVENTY_B = SEVEN_B.replace(embed=8192, heads=64, mlp=36864, layers=80)
 """A 70 B-parameter model of the book's architecture."""
+
+
+def ring_hop_tokens(
+    hw: Hardware | str,
+    mesh: Mapping[str, int],
+    axis: str = "context",
+    dtype: str = "bfloat16",
+    efficiency: float = EFFICIENCY,
+) -> float:
+    """Tokens of a sequence per device above which one ring-attention hop computes longer
+    than it takes to send the next key/value block over the link the ring's axis crosses
+    (`link`): a chunk of c tokens does 4 c^2 H D FLOPs against 2 c H D values sent, so
+    c >= bytes x FLOP/s x efficiency / (2 x link bytes/s), whatever the model's shape."""
+    hw = hardware(hw)
+    bandwidth, _ = link([axis], mesh, hw)
+    return DTYPE_BYTES[dtype] * hw.flops * efficiency / (2 * bandwidth)
+
+
+def crossover(cfg: Config, setup: Setup, hw: Hardware | str, seq: int | None = None) -> float:
+    """Tokens per device below which `setup`'s weight gathers and gradient reductions take
+    longer than its compute, so that they cannot hide: they do not grow with the batch,
+    compute does. From the same collectives and compute time as `step_cost`, at one sequence
+    per data-parallel device."""
+    seq = seq or cfg.max_len
+    tokens = setup.rules.token_axes(setup.rules.axes)
+    rows = math.prod(setup.sizes[a] for a in tokens if a != "context") * setup.micro_batches
+    cost = step_cost(cfg, setup, hw, rows, seq)
+    weights = sum(
+        c.seconds for c in cost.collectives if c.transfer.overlap in ("gather", "reduce", "update")
+    )
+    per_device = (
+        seq / math.prod(setup.sizes[a] for a in tokens if a == "context")
+        if "context" in tokens
+        else seq
+    )
+    return per_device * weights / cost.compute_time
+
+
+TIME_BAND = (0.5, 2.0)
+"""How far the time model's prediction of a one-device step may lie from the measured time
+(predicted / measured) on this book's CPU, where `benchmarks/time_model.py` checks it."""

@@ -1,0 +1,86 @@
+"""The planner: its search, its verdicts, and the input it refuses."""
+
+from __future__ import annotations
+
+import pytest
+
+from nnxscale import costs, planner
+from nnxscale.model import TINY
+from nnxscale.rules import STRATEGIES
+
+
+@pytest.fixture(scope="module")
+def seven() -> planner.Plan:
+    return planner.plan(costs.SEVEN_B, 8, "H100", global_batch=64, seq=4096)
+
+
+def test_every_factorisation_is_tried() -> None:
+    assert sorted(planner.factorisations(8, 2)) == [(1, 8), (2, 4), (4, 2), (8, 1)]
+    assert len(list(planner.factorisations(256, 3))) == 45  # (8 + 2 choose 2)
+
+
+def test_tensor_parallelism_stays_inside_a_host() -> None:
+    meshes = list(planner.meshes(STRATEGIES["TP"], 64, domain=8))
+    assert {m["model"] for m in meshes} == {2, 4, 8}
+    assert all(m["data"] * m["model"] == 64 for m in meshes)
+
+
+def test_a_fitting_plan_fits_with_the_headroom(seven: planner.Plan) -> None:
+    assert seven.ranked and seven.best.fits
+    for option in seven.ranked:
+        assert option.cost.peak * planner.HEADROOM <= 80e9
+    times = [o.cost.step_time for o in seven.ranked]
+    assert times == sorted(times)
+    assert {o.strategy for o in seven.ranked} >= {"FSDP", "ZeRO-2", "FSDP+TP", "TP", "PP"}
+
+
+def test_rejections_name_the_leanest_option_and_the_memory(seven: planner.Plan) -> None:
+    assert seven.rejected["DP"].startswith("needs 161.3 GB per device at its leanest (DP data 8")
+    assert "of 80 GB" in seven.rejected["DP"]
+    assert "| rank |" in seven._repr_markdown_()
+    with pytest.raises(KeyError, match="no option of rule set 'ZeRO-1'"):
+        seven["ZeRO-1"]
+
+
+def test_the_planner_searches_degrees_micro_batches_and_remat(seven: planner.Plan) -> None:
+    tp = [o for o in seven.options if o.strategy == "TP" and o.cost]
+    assert {dict(o.setup.mesh)["model"] for o in tp} == {2, 4, 8}
+    assert {o.setup.remat for o in tp} == {False, "dots", "full"}
+    assert {o.setup.micro_batches for o in tp} >= {1, 2, 4, 8}
+    pp = [o for o in seven.options if o.strategy == "PP"]
+    assert all(o.setup.micro_batches >= 8 for o in pp)  # 1F1B: a micro-batch per stage
+
+
+def test_a_model_too_large_for_any_plan_says_why() -> None:
+    tiny_memory = planner.plan(TINY, 8, "H100", global_batch=8, seq=32, memory_per_device=1e3)
+    with pytest.raises(ValueError, match="no plan fits 8 x H100") as error:
+        _ = tiny_memory.best
+    assert "FSDP: needs" in str(error.value)
+
+
+def test_a_device_count_that_divides_nothing_gets_reasons() -> None:
+    odd = planner.plan(costs.SEVEN_B, 7, "H100", global_batch=7, seq=4096)
+    assert odd.rejected["FSDP"].startswith("the data axis (7) does not divide")
+    assert "does not divide" in odd.rejected["TP"] or "does not split" in odd.rejected["TP"]
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(devices=0), "devices must be a positive integer"),
+        (dict(devices=2.5), "devices must be a positive integer"),
+        (dict(global_batch=0), "global_batch must be a positive integer"),
+        (dict(seq=-1), "seq must be a positive integer"),
+        (dict(seq=8192), "exceeds the model's max_len"),
+        (dict(hw="A100"), "no hardware named 'A100'"),
+        (dict(memory_per_device=-1.0), "memory_per_device must be positive"),
+        (dict(strategies=["ZeRO-4"]), "no rule set named 'ZeRO-4'"),
+        (dict(cfg=costs.SEVEN_B.replace(embed=0)), "the model's embed is 0"),
+    ],
+)
+def test_bad_input_is_refused_with_the_fix(kwargs: dict, message: str) -> None:
+    args = dict(cfg=costs.SEVEN_B, devices=8, hw="H100", global_batch=64, seq=4096)
+    args.update(kwargs)
+    cfg, devices, hw = args.pop("cfg"), args.pop("devices"), args.pop("hw")
+    with pytest.raises(ValueError, match=message):
+        planner.plan(cfg, devices, hw, **args)
