@@ -354,9 +354,12 @@ class Transformer(nnx.Module):
 
     def unembed(self, x: jax.Array) -> jax.Array:
         """Float32 logits from the blocks' output: final norm, then the output head (the
-        sequence back in its natural order under context parallelism)."""
+        sequence back in its natural order under context parallelism, and split as the
+        residual stream is, so that each device computes the logits of its own tokens)."""
         split = context_split(x.shape[1])
-        x = self.final_norm(x if split is None else from_layout(x, split))
+        if split is not None:
+            x = constrain(from_layout(x, split), RESIDUAL)
+        x = self.final_norm(x)
         head = compute_copy(self.head, x.dtype)
         return jnp.einsum("ble,ev->blv", x, head).astype(jnp.float32)
 
