@@ -9,6 +9,7 @@ is only the layout: the step's code is the same for all of them, and for every m
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import time
@@ -285,7 +286,10 @@ class Trainer:
         if not callable(model):
             check_model(model)
         if isinstance(model, nnx.Module):
-            with jax.set_mesh(mesh):  # for variables that Flax placed as it created them
+            # variables that Flax placed as it created them need their mesh; entering it
+            # otherwise would recompile every eager operation of the state's creation
+            context = jax.set_mesh(mesh) if _placed(model) else contextlib.nullcontext()
+            with context:
                 state = TrainState(model, tx, seed=seed, ema_decay=ema_decay)
             graphdef, values = nnx.split(state)
             layout = resolve(values, rules, mesh)
@@ -429,6 +433,15 @@ class Trainer:
     def model(self) -> nnx.Module:
         """The model, with its current (sharded) weights."""
         return nnx.merge(self.graphdef, self.state).model
+
+
+def _placed(model: nnx.Module) -> bool:
+    """Whether any of the model's arrays lies on more than one device."""
+    return any(
+        len(getattr(x, "sharding", None).device_set) > 1
+        for x in jax.tree.leaves(nnx.state(model))
+        if hasattr(x, "sharding")
+    )
 
 
 def gradient_shardings(graphdef: nnx.GraphDef, values: nnx.State, layout: Layout) -> Any:
