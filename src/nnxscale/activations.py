@@ -9,7 +9,7 @@ size of the model, for the compute dtype and remat policy traced: the activation
 memory ledger is what the code asks to keep, not a formula written beside it.
 
 Context parallelism runs attention as a ring inside `jax.shard_map`, whose kept arrays depend
-on the ring's size: its model is traced on an abstract mesh (no devices) with rings of 3 and 7
+on the ring's size: its model is traced on an abstract mesh (no devices) with rings of 2 and 3
 devices, each sequence cut into chunks of 2 x 23 tokens per device, and the formula is what
 the two traces have in common plus what each hop adds.
 """
@@ -56,10 +56,10 @@ RING_PRIMES = {
     "layers": 19,
 }
 """The sizes of the traced context-parallel model: `seq` is 2 x context x 23 there (two chunks
-of 23 tokens per device, the zig-zag layout), so no size may be 2, 3, 7 or 23."""
+of 23 tokens per device, the zig-zag layout), so no size may be 2, 3 or 23."""
 
 HALF_CHUNK = 23
-RINGS = (3, 7)
+RINGS = (2, 3)
 """The ring sizes the context-parallel model is traced with."""
 
 LOGICAL = {"batch": "batch", "seq": "length", "layers": "layers"}

@@ -45,6 +45,7 @@
     const split = product(c.batch_axes.map((a) => mesh[a]));
     if (batch % (split * micro)) return `the batch of ${batch} sequences does not split into ${micro} micro-batches x ${split} devices`;
     const ring = c.ring_axis ? mesh[c.ring_axis] : 1;
+    if (c.ring_axis && ring < 2) return `a context ring needs 2 or more devices on '${c.ring_axis}', not ${ring}`;
     if (seq % (2 * ring)) return `${seq} tokens do not cut into 2 x ${ring} chunks for the zig-zag ring`;
     const stages = c.stage_axis ? mesh[c.stage_axis] : 1;
     if (micro < stages) return `${stages} stages need at least ${stages} micro-batches (1F1B)`;

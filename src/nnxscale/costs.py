@@ -788,6 +788,8 @@ def unsuitable(cfg: Config, setup: Setup, batch: int, seq: int) -> str:
         parts = f"{setup.micro_batches} micro-batches x {split} devices"
         return f"the batch of {batch} sequences does not split into {parts}"
     ring = setup.sizes.get(costs.ring_axis, 1) if costs.ring_axis else 1
+    if costs.ring_axis and ring < 2:
+        return f"a context ring needs 2 or more devices on {costs.ring_axis!r}, not {ring}"
     if seq % (2 * ring):
         return f"{seq} tokens do not cut into 2 x {ring} chunks for the zig-zag ring"
     if seq > cfg.max_len:
