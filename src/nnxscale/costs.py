@@ -26,7 +26,7 @@ from nnxscale.activations import LOGICAL, PRIMES, kept
 from nnxscale.comm import ring_bytes
 from nnxscale.formula import Formula
 from nnxscale.init import abstract
-from nnxscale.layout import ROUTED, resolve
+from nnxscale.layout import ROUTED, activation_axes, resolve, weight_axes
 from nnxscale.model import CAST_WEIGHTS, Config, create, remat_policy
 from nnxscale.rules import RuleError, Rules
 
@@ -405,8 +405,6 @@ def _split(formula: Formula, rules: Rules, *, weights: bool = False) -> Formula:
     """`formula` (bytes of whole arrays, one term per kind of array) as one device holds it:
     each term divided by the sizes of the mesh axes that `rules` split its dimensions over,
     as an activation, or as the read copy of a weight (`weight_axes`)."""
-    from nnxscale.layout import activation_axes, weight_axes
-
     mesh, out = _unit_mesh(rules), Formula()
     for powers, coefficient in formula.terms.items():
         names = _order([LOGICAL.get(n, n) for n, p in powers for _ in range(p)])
@@ -515,9 +513,8 @@ def _activation_transfers(
                     f"{what} outputs",
                 )
             )
-    context = _split(Formula.of("seq"), rules).names() & set(rules.axes)
-    if context:
-        (axis,) = context
+    axis = _context_axis(rules)
+    if axis is not None:
         block = _per_micro_batch(
             _split(Formula.product(["batch", "seq", "heads", "head_dim"], 2 * width), rules)
         )
