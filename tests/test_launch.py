@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -64,6 +65,16 @@ def test_a_run_over_its_timeout_is_stopped() -> None:
     run = start([*WORKER, "--hold", "60"], 2, 2, echo=None)
     with pytest.raises(LaunchError, match="exceeded its timeout of 10 s"):
         run.wait(timeout=10)
+    assert all(gone(worker.pid) for worker in run.workers)
+
+
+def test_a_stop_request_stops_every_worker() -> None:
+    # What the command line's SIGTERM handler does: set a flag, never raise in `wait`.
+    stop = threading.Event()
+    run = start(SLEEPER, 2, 1, echo=None, stop=stop)
+    threading.Timer(1.0, stop.set).start()
+    with pytest.raises(LaunchError, match="asked to stop"):
+        run.wait(timeout=60)
     assert all(gone(worker.pid) for worker in run.workers)
 
 

@@ -95,6 +95,9 @@ class Run:
 
     workers: list[subprocess.Popen[str]]
     output: list[str] = dataclasses.field(default_factory=list)
+    stop_requested: threading.Event = dataclasses.field(default_factory=threading.Event)
+    """Set (from a signal handler, say) to stop the run: `wait` stops every worker and raises.
+    A flag and not an exception, which could land inside `subprocess`'s own locking."""
     _readers: list[threading.Thread] = dataclasses.field(default_factory=list)
     _lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
 
@@ -115,7 +118,9 @@ class Run:
                 if time.monotonic() > deadline:
                     failure = f"the run exceeded its timeout of {timeout:g} s"
                     break
-                time.sleep(0.05)
+                if self.stop_requested.wait(0.05):
+                    failure = "the run was asked to stop"
+                    break
         finally:
             self.stop()
         if failure:
@@ -143,16 +148,17 @@ def start(
     *,
     echo: Callable[[str], None] | None = print,
     env: dict[str, str] | None = None,
+    stop: threading.Event | None = None,
 ) -> Run:
     """Start `processes` copies of `command`, each with `devices` emulated devices.
 
     Call `wait` on the result from the same thread: on Linux a worker is killed when the
-    thread that started it ends.
+    thread that started it ends. Setting `stop` makes `wait` stop the run.
     """
     if processes < 1 or devices < 1:
         raise ValueError(f"need at least 1 process and 1 device each, got {processes}, {devices}")
     coordinator = f"localhost:{free_port()}"
-    run = Run([])
+    run = Run([]) if stop is None else Run([], stop_requested=stop)
     for index in range(processes):
         worker_env = {
             **os.environ,
@@ -195,9 +201,10 @@ def launch(
     timeout: float = 300,
     echo: Callable[[str], None] | None = print,
     env: dict[str, str] | None = None,
+    stop: threading.Event | None = None,
 ) -> list[str]:
     """Run `command` as `processes` workers of one distributed run; their prefixed output."""
-    return start(command, processes, devices, echo=echo, env=env).wait(timeout)
+    return start(command, processes, devices, echo=echo, env=env, stop=stop).wait(timeout)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -214,8 +221,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         parser.error("no command to run; put it after --")
     if args.die_with is not None:  # a worker's wrapper, started by `guarded`
         exec_dying_with(args.die_with, command)
-    # Stopped with SIGTERM (as by a scheduler), exit through `wait`'s cleanup like Ctrl-C.
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+    # Stopped with SIGTERM (as by a scheduler): `wait` stops the workers, then exit 128 + 15.
+    terminated = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: terminated.set())
     try:
         launch(
             command,
@@ -223,10 +231,11 @@ def main(argv: Sequence[str] | None = None) -> None:
             args.devices,
             timeout=args.timeout,
             echo=partial(print, flush=True),
+            stop=terminated,
         )
     except LaunchError as error:
         print(f"launch failed: {error}", file=sys.stderr)
-        sys.exit(1)
+        sys.exit(128 + signal.SIGTERM if terminated.is_set() else 1)
 
 
 if __name__ == "__main__":
