@@ -76,6 +76,7 @@ def test_a_device_count_that_divides_nothing_gets_reasons() -> None:
         (dict(memory_per_device=-1.0), "memory_per_device must be positive"),
         (dict(strategies=["ZeRO-4"]), "no rule set named 'ZeRO-4'"),
         (dict(cfg=costs.SEVEN_B.replace(embed=0)), "the model's embed is 0"),
+        (dict(cfg=costs.SEVEN_B.replace(experts=8)), "has 8 experts per layer"),
     ],
 )
 def test_bad_input_is_refused_with_the_fix(kwargs: dict, message: str) -> None:

@@ -559,6 +559,13 @@ def derive(
     model's sizes, `batch` (sequences per step), `seq`, `micro` (micro-batches) and the size
     of each mesh axis: derived from the layout `rules` give the abstract model (once per
     rule set, dtype and remat policy)."""
+    if experts:
+        raise ValueError(
+            f"the cost model prices the dense Transformer; this one has {experts} experts per "
+            "layer, whose routing arrays and all-to-alls it has no formulas for. Price the "
+            "dense model (experts=0) for everything but the experts, and read the mixture's "
+            "peak memory off its compiled step (compiled.memory_analysis())."
+        )
     key = (repr(rules), compute_dtype, remat_policy(remat), experts)
     if key not in _DERIVED:
         _DERIVED[key] = _derive(rules, compute_dtype, remat, experts)
