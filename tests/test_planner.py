@@ -35,7 +35,7 @@ def test_a_fitting_plan_fits_with_the_headroom(seven: planner.Plan) -> None:
 
 
 def test_rejections_name_the_leanest_option_and_the_memory(seven: planner.Plan) -> None:
-    assert seven.rejected["DP"].startswith("needs 161.3 GB per device at its leanest (DP data 8")
+    assert seven.rejected["DP"].startswith("needs 161.3 GB per device at its leanest (DP on data 8")
     assert "of 80 GB" in seven.rejected["DP"]
     assert "| rank |" in seven._repr_markdown_()
     with pytest.raises(KeyError, match="no option of rule set 'ZeRO-1'"):
@@ -85,3 +85,10 @@ def test_bad_input_is_refused_with_the_fix(kwargs: dict, message: str) -> None:
     cfg, devices, hw = args.pop("cfg"), args.pop("devices"), args.pop("hw")
     with pytest.raises(ValueError, match=message):
         planner.plan(cfg, devices, hw, **args)
+
+
+def test_a_setup_says_itself_in_words() -> None:
+    fsdp = costs.Setup.of(STRATEGIES["FSDP"], {"data": 8}, 4, "dots")
+    assert fsdp.describe() == "FSDP on data 8, 4 micro-batches, the dots policy"
+    one = costs.Setup.of(STRATEGIES["DP"], {"data": 1}, 1, True)
+    assert one.describe() == "DP on one device, 1 micro-batch, full remat"

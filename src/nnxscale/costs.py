@@ -246,6 +246,14 @@ class Setup:
         axes = " x ".join(f"{a} {s}" for a, s in self.mesh if s > 1) or "one device"
         return f"{self.rules.name} {axes}"
 
+    def describe(self) -> str:
+        """In words, e.g. `FSDP on data 8, 4 micro-batches, the dots policy`."""
+        axes = " x ".join(f"{a} {s}" for a, s in self.mesh if s > 1) or "one device"
+        micro = f"{self.micro_batches} micro-batch" + ("es" if self.micro_batches > 1 else "")
+        policy = remat_policy(self.remat)
+        remat = {None: "no remat", "full": "full remat"}.get(policy, f"the {policy} policy")
+        return f"{self.rules.name} on {axes}, {micro}, {remat}"
+
 
 @dataclasses.dataclass(frozen=True)
 class Transfer:

@@ -250,8 +250,7 @@ def _why(leanest: Option, memory: float) -> str:
         return leanest.reason
     c, s = leanest.cost, leanest.setup
     return (
-        f"needs {c.peak / 1e9:.1f} GB per device at its leanest ({s.label()}, "
-        f"{s.micro_batches} micro-batches, remat {s.remat or 'no'}), "
+        f"needs {c.peak / 1e9:.1f} GB per device at its leanest ({s.describe()}), "
         f"{c.peak * HEADROOM / 1e9:.1f} GB with the headroom, of {memory / 1e9:.0f} GB"
     )
 
