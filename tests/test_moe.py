@@ -184,6 +184,21 @@ def test_the_compilers_expert_parallelism_moves_slots_by_all_to_all() -> None:
     assert report.count("all-to-all") == 4 * cfg.layers
     assert report.array_bytes("all-to-all") == 4 * cfg.layers * array
     assert not [c for c in report.collectives if c.kind == "all-gather" and "64]" in c.shape]
+    # each device routes its own tokens: nothing but the slots' all-to-alls and the
+    # replicated weights' gradient reduction (no gather of the batch's router scores)
+    assert set(report.summary()) == {"all-to-all", "all-reduce"}
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 8])
+def test_largest_is_top_k_in_values_order_ties_and_gradients(k) -> None:
+    x = jax.random.normal(jax.random.key(0), (64, 16, 8))
+    x = x.at[0, 0, 3].set(x[0, 0, 5])  # a tie: the lower index first, as lax.top_k
+    for a, b in zip(jax.lax.top_k(x, k), moe.largest(x, k), strict=True):
+        assert a.dtype == b.dtype and (a == b).all()
+    grads = [
+        jax.grad(lambda x, f=f: (f(x, k)[0] ** 2).sum())(x) for f in (jax.lax.top_k, moe.largest)
+    ]
+    assert (grads[0] == grads[1]).all()
 
 
 def test_hand_written_strategies_refuse_a_mixture_of_experts() -> None:

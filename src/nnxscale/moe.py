@@ -62,6 +62,22 @@ class Routing:
         return 1 - self.kept.sum() / self.wanted.sum()
 
 
+def largest(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+    """The k largest values along the last axis of `x` and their indices, largest first (the
+    lower index first among equals), as `jax.lax.top_k` gives them, by k rounds of argmax:
+    elementwise work and reductions along the last axis, which the partitioner keeps where
+    the rows are. XLA's TopK is a custom call it does not partition: under a rule set that
+    splits the tokens, every device would gather and route the whole batch."""
+    values, indices = [], []
+    for _ in range(k):
+        index = jnp.argmax(x, axis=-1)
+        hot = jax.nn.one_hot(index, x.shape[-1], dtype=bool)
+        values.append(jnp.sum(jnp.where(hot, x, 0), axis=-1))
+        indices.append(index)
+        x = jnp.where(hot, -jnp.inf, x)
+    return jnp.stack(values, axis=-1), jnp.stack(indices, axis=-1).astype(jnp.int32)
+
+
 def route(logits: jax.Array, top_k: int, slots: int) -> Routing:
     """Top-k routing of one group's tokens (logits: tokens x experts) into `slots` slots per
     expert. Every token's first choice is placed before any second choice (GShard's order), in
@@ -71,7 +87,7 @@ def route(logits: jax.Array, top_k: int, slots: int) -> Routing:
     if not 1 <= top_k <= experts:
         raise MoEError(f"top_k={top_k} with {experts} experts: use 1 <= top_k <= {experts}.")
     probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
-    gates, chosen = jax.lax.top_k(probs, top_k)
+    gates, chosen = largest(probs, top_k)
     if top_k > 1:
         gates = gates / gates.sum(axis=-1, keepdims=True)
     dispatch = jnp.zeros((tokens, experts, slots), jnp.float32)
