@@ -8,7 +8,7 @@ import pytest
 from flax import nnx
 from jax.sharding import AbstractMesh, AxisType
 
-from nnxscale import activations
+from nnxscale import activations, moe
 from nnxscale.formula import Formula
 from nnxscale.layout import activation_rules
 from nnxscale.losses import next_token_loss
@@ -48,6 +48,40 @@ def test_the_formulas_give_autodiffs_bytes_at_sizes_never_traced(dtype: str, rem
     copies = k.weights * "layers" + k.head_weights if dtype != "float32" else 0
     predicted = (k.layer * "layers" + k.model + copies)(sizes)
     assert predicted == kept_bytes(cfg, batch, seq)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("remat", [False, "full", "dots"])
+@pytest.mark.parametrize("top_k, factor", [(1, 1.0), (2, 1.5), (3, 2.0)])
+def test_a_mixtures_formulas_give_autodiffs_bytes_at_sizes_never_traced(
+    dtype: str, remat, top_k: int, factor: float
+) -> None:
+    batch, seq, experts = 4, 10, 6
+    cfg = Config(
+        **OTHER, max_len=seq, scan_layers=True, remat=remat, compute_dtype=dtype,
+        experts=experts, top_k=top_k, capacity_factor=factor,
+    )  # fmt: skip
+    k = activations.kept(dtype, remat, moe=activations.mixture(cfg))
+    slots = moe.capacity(seq, experts, top_k, factor)
+    sizes = {**OTHER, "batch": batch, "seq": seq, "experts": experts, "capacity": slots}
+    sizes["top_k"] = top_k
+    copies = k.weights * "layers" + k.head_weights if dtype != "float32" else 0
+    predicted = (k.layer * "layers" + k.model + copies)(sizes)
+    assert predicted == kept_bytes(cfg, batch, seq)
+
+
+def test_a_mixture_keeps_its_routing_per_choice() -> None:
+    """The dispatch and combine arrays, one per choice of each token, grow like attention's
+    scores: batch x seq x experts x capacity, capacity itself in proportion to seq."""
+    one, two = (activations.kept(moe=m) for m in (1, 2))
+    routing = ("batch", "capacity", "experts", "seq")
+    per_choice = [
+        c for term, c in two.layer.terms.items() if dict(term).get("top_k") and
+        tuple(n for n, _ in term if n != "top_k") == routing
+    ]  # fmt: skip
+    assert per_choice and one.layer.terms[tuple((n, 1) for n in routing)] > 0
+    with pytest.raises(ValueError, match="mixture of experts under context parallelism"):
+        activations.kept(ring=True, moe=1)
 
 
 @pytest.mark.parametrize("ring", [2, 4])

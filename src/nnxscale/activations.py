@@ -12,6 +12,12 @@ Context parallelism runs attention as a ring inside `jax.shard_map`, whose kept 
 on the ring's size: its model is traced on an abstract mesh (no devices) with rings of 2 and 3
 devices, each sequence cut into chunks of 2 x 23 tokens per device, and the formula is what
 the two traces have in common plus what each hop adds.
+
+A mixture of experts is traced with 37 experts whose capacity per group is itself a prime
+(the capacity factor is chosen to make it one), so that `experts` and `capacity` name their
+dimensions too. Its routing keeps one array per choice of each token: with one choice the
+trace is the formula; with k > 1 the model is traced at two prime k and the formula is what
+the two have in common plus what each choice adds, in `top_k`.
 """
 
 from __future__ import annotations
@@ -61,6 +67,13 @@ of 23 tokens per device, the zig-zag layout), so no size may be 2, 3 or 23."""
 HALF_CHUNK = 23
 RINGS = (2, 3)
 """The ring sizes the context-parallel model is traced with."""
+
+EXPERTS = 37
+"""The experts of the traced mixture."""
+
+CHOICES = ((23, 41), (29, 43))
+"""(top_k, capacity) of the two traces of a mixture whose tokens choose k > 1 experts: each
+a prime that no other size is. A mixture with one choice is traced with capacity 41."""
 
 LOGICAL = {"batch": "batch", "seq": "length", "layers": "layers"}
 """The logical axis name of each traced dimension, where it differs from the size's name."""
@@ -112,9 +125,23 @@ Traced = dict[tuple[int, bool, bool], Formula]
 """Formulas of kept arrays by (power of `layers`, has a `batch` dimension, kept per device)."""
 
 
-def _traced(cfg: Config, dropout: bool, batch: int, seq: int, ring: int = 0) -> Traced:
+def mixture(cfg: Config) -> int:
+    """How the model's MLP is traced: 0 dense, 1 a mixture whose tokens choose one expert,
+    2 a mixture whose tokens choose several (`kept`'s `moe`)."""
+    return min(cfg.top_k, 2) if cfg.experts else 0
+
+
+def _traced(
+    cfg: Config,
+    dropout: bool,
+    batch: int,
+    seq: int,
+    ring: int = 0,
+    units: Mapping[str, int] = PRIMES,
+) -> Traced:
     """The arrays autodiff keeps for the loss of `batch` sequences of `seq` tokens, as
-    formulas; with `ring` > 0, traced under context parallelism over a ring of that size."""
+    formulas in the sizes of `units`; with `ring` > 0, traced under context parallelism over
+    a ring of that size."""
     model = nnx.eval_shape(lambda: create(cfg))
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     tokens = jax.ShapeDtypeStruct((batch, seq + 1), jnp.int32)
@@ -124,7 +151,6 @@ def _traced(cfg: Config, dropout: bool, batch: int, seq: int, ring: int = 0) -> 
         rngs = None if k is None else nnx.Rngs(dropout=k)
         return next_token_loss(nnx.merge(graphdef, p, rest), t, rngs)
 
-    units = PRIMES
     if ring:
         units = {**RING_PRIMES, "seq": seq, "chunk": seq // ring, CONTEXT: ring}
         mesh = AbstractMesh((1, ring), CP.axes, axis_types=(AxisType.Auto,) * 2)
@@ -159,6 +185,39 @@ def _config(policy: str | None, dropout: bool, sizes: Mapping[str, int], max_len
     )
 
 
+def _linear(small: Formula, large: Formula, at: tuple[int, int], name: str) -> Formula:
+    """The formula a + `name` x b that is `small` and `large` where `name` is `at`."""
+    each = (large - small) / (at[1] - at[0])
+    return small - each * at[0] + each * name
+
+
+def _moe_traced(cfg: Config, dropout: bool, top_k: int, slots: int) -> Traced:
+    """`_traced` for a mixture of `EXPERTS` experts of which each token chooses `top_k`,
+    with a capacity factor that gives each expert `slots` slots per group."""
+    seq = PRIMES["seq"]
+    factor = (slots - 0.5) * EXPERTS / (top_k * seq)
+    mixed = cfg.replace(experts=EXPERTS, top_k=top_k, capacity_factor=factor)
+    units = {**PRIMES, "experts": EXPERTS, "capacity": slots}
+    if top_k > 1:
+        units["top_k"] = top_k
+    return _traced(mixed, dropout, PRIMES["batch"], seq, units=units)
+
+
+def _trace(cfg: Config, dropout: bool, moe: int) -> Traced:
+    """What autodiff keeps for `cfg` at the primes, dense (`moe` 0) or as a mixture whose
+    tokens choose one expert (1) or `top_k` (2), solved from two traces."""
+    if not moe:
+        return _traced(cfg, dropout, PRIMES["batch"], PRIMES["seq"])
+    if moe == 1:
+        return _moe_traced(cfg, dropout, 1, CHOICES[0][1])
+    (k1, c1), (k2, c2) = CHOICES
+    small, large = _moe_traced(cfg, dropout, k1, c1), _moe_traced(cfg, dropout, k2, c2)
+    return {
+        slot: _linear(small.get(slot, Formula()), large.get(slot, Formula()), (k1, k2), "top_k")
+        for slot in small.keys() | large.keys()
+    }
+
+
 def _pick(found: Traced, layers: int, local: bool = False, batch: bool | None = None) -> Formula:
     """The formulas of `found` with that power of `layers`, kept per device or not, with or
     without a `batch` dimension (either, if None)."""
@@ -178,17 +237,24 @@ def kept(
     remat: bool | str = False,
     dropout: bool = False,
     ring: bool = False,
+    moe: int = 0,
 ) -> Kept:
     """The activations the book's Transformer keeps, traced in `compute_dtype` with the remat
-    policy `remat` (`nnxscale.model.REMAT_POLICIES`), with or without dropout, and with or
-    without a context-parallel ring. The weight copies are what a bfloat16 trace keeps beyond a
-    float32 one (where the weights are the parameters), at the compute dtype's width."""
+    policy `remat` (`nnxscale.model.REMAT_POLICIES`), with or without dropout, with or
+    without a context-parallel ring, and with a dense MLP or a mixture of experts (`moe`, as
+    `mixture` gives it). The weight copies are what a bfloat16 trace keeps beyond a float32
+    one (where the weights are the parameters), at the compute dtype's width."""
     policy = remat_policy(remat)
+    if ring and moe:
+        raise ValueError(
+            "the activations of a mixture of experts under context parallelism are not "
+            "calibrated: trace one or the other"
+        )
     if ring:
         return _ring_kept(compute_dtype, policy, dropout)
     cfg = _config(policy, dropout, PRIMES, PRIMES["seq"])
     traces = {
-        dtype: _traced(cfg.replace(compute_dtype=dtype), dropout, PRIMES["batch"], PRIMES["seq"])
+        dtype: _trace(cfg.replace(compute_dtype=dtype), dropout, moe)
         for dtype in {"float32", "bfloat16", compute_dtype}
     }
     found = traces[compute_dtype]
@@ -204,7 +270,7 @@ def kept(
         layer, model = layer - copies(1), model - copies(0)
     rebuilt = Formula()
     if policy is not None:
-        rebuilt = kept(compute_dtype, False, dropout).layer - layer
+        rebuilt = kept(compute_dtype, False, dropout, moe=moe).layer - layer
     return Kept(layer, model, copies(1), copies(0), rebuilt)
 
 
@@ -222,9 +288,7 @@ def _ring(compute_dtype: str, policy: str | None, dropout: bool) -> tuple[Formul
 
     def solve(layers: int, local: bool) -> Formula:
         small, large = (_pick(t, layers, local) for t in traces)
-        per_hop = (large - small) / (RINGS[1] - RINGS[0])
-        fixed = small - per_hop * RINGS[0]
-        whole = fixed + per_hop * CONTEXT
+        whole = _linear(small, large, RINGS, CONTEXT)
         return whole if local else whole.replace("chunk", {"seq": 1, CONTEXT: -1})
 
     return solve(1, False), solve(0, False), solve(1, True), solve(0, True)
