@@ -70,16 +70,17 @@ def test_a_mixtures_formulas_give_autodiffs_bytes_at_sizes_never_traced(
     assert predicted == kept_bytes(cfg, batch, seq)
 
 
-def test_a_mixture_keeps_its_routing_per_choice() -> None:
-    """The dispatch and combine arrays, one per choice of each token, grow like attention's
-    scores: batch x seq x experts x capacity, capacity itself in proportion to seq."""
+def test_a_mixture_keeps_two_arrays_of_slots_whatever_its_choices() -> None:
+    """The dispatch and its gated copy, the combine: batch x seq x experts x capacity float32
+    values each, which grow like attention's scores (capacity grows with seq); what each
+    choice adds is only tokens x experts."""
     one, two = (activations.kept(moe=m) for m in (1, 2))
-    routing = ("batch", "capacity", "experts", "seq")
-    per_choice = [
-        c for term, c in two.layer.terms.items() if dict(term).get("top_k") and
-        tuple(n for n, _ in term if n != "top_k") == routing
-    ]  # fmt: skip
-    assert per_choice and one.layer.terms[tuple((n, 1) for n in routing)] > 0
+    slots = Formula.product(["batch", "seq", "experts", "capacity"], 8)
+    for k in (one, two):
+        (term,) = [t for t in k.layer.terms if {"capacity", "seq"} <= dict(t).keys()]
+        assert Formula({term: k.layer.terms[term]}) == slots
+    per_choice = [t for t in two.layer.terms if "top_k" in dict(t)]
+    assert per_choice and all("capacity" not in dict(t) for t in per_choice)
     with pytest.raises(ValueError, match="mixture of experts under context parallelism"):
         activations.kept(ring=True, moe=1)
 

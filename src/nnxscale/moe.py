@@ -82,7 +82,9 @@ def route(logits: jax.Array, top_k: int, slots: int) -> Routing:
     """Top-k routing of one group's tokens (logits: tokens x experts) into `slots` slots per
     expert. Every token's first choice is placed before any second choice (GShard's order), in
     token order; a choice that finds its expert full is dropped. Gates are the router's
-    softmax probabilities, renormalised over the k chosen experts when k > 1."""
+    softmax probabilities, renormalised over the k chosen experts when k > 1. A token takes
+    at most one slot of an expert, so `combine` is `dispatch` times the token's gate at that
+    expert: the backward pass keeps one array of slots for the gates, not one per choice."""
     tokens, experts = logits.shape
     if not 1 <= top_k <= experts:
         raise MoEError(f"top_k={top_k} with {experts} experts: use 1 <= top_k <= {experts}.")
@@ -91,18 +93,18 @@ def route(logits: jax.Array, top_k: int, slots: int) -> Routing:
     if top_k > 1:
         gates = gates / gates.sum(axis=-1, keepdims=True)
     dispatch = jnp.zeros((tokens, experts, slots), jnp.float32)
-    combine = jnp.zeros((tokens, experts, slots), jnp.float32)
+    gate = jnp.zeros((tokens, experts), jnp.float32)  # each token's gate at the experts it chose
     taken = jnp.zeros((experts,), jnp.int32)  # slots already filled by earlier choices
     kept = jnp.zeros((experts,), jnp.int32)
     for j in range(top_k):
         wants = jax.nn.one_hot(chosen[:, j], experts, dtype=jnp.int32)
         position = jnp.cumsum(wants, axis=0) - 1 + taken
         fits = wants * (position < slots)
-        place = fits[..., None] * jax.nn.one_hot(position, slots, dtype=jnp.int32)
-        dispatch = dispatch + place
-        combine = combine + place * gates[:, j, None, None]
+        dispatch = dispatch + fits[..., None] * jax.nn.one_hot(position, slots, dtype=jnp.int32)
+        gate = gate + wants * gates[:, j, None]
         taken = taken + wants.sum(axis=0)
         kept = kept + fits.sum(axis=0)
+    combine = dispatch * gate[..., None]
     first = jax.nn.one_hot(chosen[:, 0], experts, dtype=jnp.float32)
     aux = experts * jnp.sum(first.mean(axis=0) * probs.mean(axis=0))
     return Routing(dispatch, combine, taken, kept, aux, chosen)
