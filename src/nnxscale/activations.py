@@ -15,9 +15,9 @@ the two traces have in common plus what each hop adds.
 
 A mixture of experts is traced with 37 experts whose capacity per group is itself a prime
 (the capacity factor is chosen to make it one), so that `experts` and `capacity` name their
-dimensions too. Its routing keeps one array per choice of each token: with one choice the
-trace is the formula; with k > 1 the model is traced at two prime k and the formula is what
-the two have in common plus what each choice adds, in `top_k`.
+dimensions too. Its routing places the k choices of each token in a scan, so what it keeps
+per choice is stacked along a dimension of k, and a trace at k = 23 names it `top_k`. A
+mixture with one choice is traced at k = 1 (its gates are not renormalised).
 """
 
 from __future__ import annotations
@@ -71,9 +71,10 @@ RINGS = (2, 3)
 EXPERTS = 37
 """The experts of the traced mixture."""
 
-CHOICES = ((23, 41), (29, 43))
-"""(top_k, capacity) of the two traces of a mixture whose tokens choose k > 1 experts: each
-a prime that no other size is. A mixture with one choice is traced with capacity 41."""
+TOP_K = 23
+CAPACITY = 41
+"""The choices per token (when more than one) and the slots per expert and group of the
+traced mixture: primes that no other size is."""
 
 LOGICAL = {"batch": "batch", "seq": "length", "layers": "layers"}
 """The logical axis name of each traced dimension, where it differs from the size's name."""
@@ -205,17 +206,10 @@ def _moe_traced(cfg: Config, dropout: bool, top_k: int, slots: int) -> Traced:
 
 def _trace(cfg: Config, dropout: bool, moe: int) -> Traced:
     """What autodiff keeps for `cfg` at the primes, dense (`moe` 0) or as a mixture whose
-    tokens choose one expert (1) or `top_k` (2), solved from two traces."""
+    tokens choose one expert (1) or `top_k` (2)."""
     if not moe:
         return _traced(cfg, dropout, PRIMES["batch"], PRIMES["seq"])
-    if moe == 1:
-        return _moe_traced(cfg, dropout, 1, CHOICES[0][1])
-    (k1, c1), (k2, c2) = CHOICES
-    small, large = _moe_traced(cfg, dropout, k1, c1), _moe_traced(cfg, dropout, k2, c2)
-    return {
-        slot: _linear(small.get(slot, Formula()), large.get(slot, Formula()), (k1, k2), "top_k")
-        for slot in small.keys() | large.keys()
-    }
+    return _moe_traced(cfg, dropout, 1 if moe == 1 else TOP_K, CAPACITY)
 
 
 def _pick(found: Traced, layers: int, local: bool = False, batch: bool | None = None) -> Formula:

@@ -64,27 +64,29 @@ class Routing:
 
 def largest(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
     """The k largest values along the last axis of `x` and their indices, largest first (the
-    lower index first among equals), as `jax.lax.top_k` gives them, by k rounds of argmax:
-    elementwise work and reductions along the last axis, which the partitioner keeps where
-    the rows are. XLA's TopK is a custom call it does not partition: under a rule set that
-    splits the tokens, every device would gather and route the whole batch."""
-    values, indices = [], []
-    for _ in range(k):
-        index = jnp.argmax(x, axis=-1)
-        hot = jax.nn.one_hot(index, x.shape[-1], dtype=bool)
-        values.append(jnp.sum(jnp.where(hot, x, 0), axis=-1))
-        indices.append(index)
-        x = jnp.where(hot, -jnp.inf, x)
-    return jnp.stack(values, axis=-1), jnp.stack(indices, axis=-1).astype(jnp.int32)
+    lower index first among equals), as `jax.lax.top_k` gives them, by k rounds of argmax in
+    a scan: elementwise work and reductions along the last axis, which the partitioner keeps
+    where the rows are. (XLA's TopK is a custom call it does not partition: under a rule set
+    that splits the tokens, every device would gather and route the whole batch.)"""
+
+    def pick(rest: jax.Array, _: None) -> tuple[jax.Array, jax.Array]:
+        index = jnp.argmax(rest, axis=-1)
+        return jnp.where(jax.nn.one_hot(index, x.shape[-1], dtype=bool), -jnp.inf, rest), index
+
+    _, picked = jax.lax.scan(pick, jax.lax.stop_gradient(x), length=k)
+    indices = jnp.moveaxis(picked, 0, -1).astype(jnp.int32)
+    hot = jax.nn.one_hot(indices, x.shape[-1], dtype=bool)
+    return jnp.sum(jnp.where(hot, x[..., None, :], 0), axis=-1), indices
 
 
 def route(logits: jax.Array, top_k: int, slots: int) -> Routing:
     """Top-k routing of one group's tokens (logits: tokens x experts) into `slots` slots per
     expert. Every token's first choice is placed before any second choice (GShard's order), in
     token order; a choice that finds its expert full is dropped. Gates are the router's
-    softmax probabilities, renormalised over the k chosen experts when k > 1. A token takes
-    at most one slot of an expert, so `combine` is `dispatch` times the token's gate at that
-    expert: the backward pass keeps one array of slots for the gates, not one per choice."""
+    softmax probabilities, renormalised over the k chosen experts when k > 1. The choices are
+    placed by a scan (each choice's slots follow the earlier choices'); a token takes at most
+    one slot of an expert, so `combine` is `dispatch` times the token's gate at that expert:
+    the backward pass keeps one array of slots for the gates, not one per choice."""
     tokens, experts = logits.shape
     if not 1 <= top_k <= experts:
         raise MoEError(f"top_k={top_k} with {experts} experts: use 1 <= top_k <= {experts}.")
@@ -92,18 +94,19 @@ def route(logits: jax.Array, top_k: int, slots: int) -> Routing:
     gates, chosen = largest(probs, top_k)
     if top_k > 1:
         gates = gates / gates.sum(axis=-1, keepdims=True)
-    dispatch = jnp.zeros((tokens, experts, slots), jnp.float32)
-    gate = jnp.zeros((tokens, experts), jnp.float32)  # each token's gate at the experts it chose
-    taken = jnp.zeros((experts,), jnp.int32)  # slots already filled by earlier choices
-    kept = jnp.zeros((experts,), jnp.int32)
-    for j in range(top_k):
-        wants = jax.nn.one_hot(chosen[:, j], experts, dtype=jnp.int32)
-        position = jnp.cumsum(wants, axis=0) - 1 + taken
-        fits = wants * (position < slots)
+    wants = jax.nn.one_hot(chosen, experts, dtype=jnp.int32)  # tokens x choices x experts
+
+    def place(carry: tuple[jax.Array, ...], want: jax.Array) -> tuple[tuple[jax.Array, ...], None]:
+        dispatch, taken, kept = carry  # taken: slots already filled by earlier choices
+        position = jnp.cumsum(want, axis=0) - 1 + taken
+        fits = want * (position < slots)
         dispatch = dispatch + fits[..., None] * jax.nn.one_hot(position, slots, dtype=jnp.int32)
-        gate = gate + wants * gates[:, j, None]
-        taken = taken + wants.sum(axis=0)
-        kept = kept + fits.sum(axis=0)
+        return (dispatch, taken + want.sum(axis=0), kept + fits.sum(axis=0)), None
+
+    empty = jnp.zeros_like(wants[0, 0])  # typed as the tokens are (inside jax.shard_map too)
+    start = (jnp.zeros_like(empty, jnp.float32, shape=(tokens, experts, slots)), empty, empty)
+    (dispatch, taken, kept), _ = jax.lax.scan(place, start, jnp.moveaxis(wants, 1, 0))
+    gate = jnp.sum(jnp.where(wants.astype(bool), gates[..., None], 0), axis=1)
     combine = dispatch * gate[..., None]
     first = jax.nn.one_hot(chosen[:, 0], experts, dtype=jnp.float32)
     aux = experts * jnp.sum(first.mean(axis=0) * probs.mean(axis=0))
