@@ -430,27 +430,49 @@ CALCULATOR = """(inputs) => {
 
 
 def calculator_grid() -> list[dict]:
-    """Every planned strategy on every device, for three models, clusters and setups (each
-    with its remat policies and two micro-batch counts): over 500 inputs, some that cannot
-    run."""
+    """Every planned strategy on every device, for three dense models and two mixtures of
+    experts, clusters and setups (each with its remat policies and two micro-batch counts):
+    over 500 inputs, some that cannot run."""
     from nnxscale import costs
-    from nnxscale.planner import PLANNED
+    from nnxscale.planner import EXPERT_PLANNED, PLANNED
 
-    small = dict(vocab=96, embed=48, heads=6, head_dim=8, mlp=80, layers=6)
+    dense = {"experts": 0, "top_k": 1, "capacity_factor": 2.0}
+    small = dict(vocab=96, embed=48, heads=6, head_dim=8, mlp=80, layers=6, **dense)
+    mixtral = {k: getattr(costs.SEVEN_B, k) for k in SIZES}
+    mixtral.update(mlp=21504, experts=8, top_k=2, capacity_factor=1.25)
+    switch = dict(small, experts=4, top_k=1, capacity_factor=1.5)
+    every, two = list(costs.HARDWARE), ["H100", "TPU v5p"]
     clusters = [
-        ({k: getattr(costs.SEVEN_B, k) for k in SIZES}, 8, 64, 4096, (2, 2, 2, 2)),
-        ({k: getattr(costs.SEVENTY_B, k) for k in SIZES}, 256, 1024, 4096, (4, 8, 4, 16)),
-        (small, 12, 24, 48, (2, 3, 2, 2)),
+        (
+            {k: getattr(costs.SEVEN_B, k) for k in SIZES} | dense,
+            8,
+            64,
+            4096,
+            (2, 2, 2, 2, 2),
+            every,
+        ),
+        (
+            {k: getattr(costs.SEVENTY_B, k) for k in SIZES} | dense,
+            256,
+            1024,
+            4096,
+            (4, 8, 4, 16, 4),
+            every,
+        ),
+        (small, 12, 24, 48, (2, 3, 2, 2, 2), every),
+        (mixtral, 64, 512, 4096, (2, 2, 2, 2, 8), two),
+        (switch, 12, 24, 48, (2, 3, 2, 2, 2), two),
     ]
     return [
         {
             **cfg, "seq": seq, "batch": batch, "devices": devices, "hardware": hardware,
             "strategy": strategy, "tensor": degrees[0], "stages": degrees[1],
-            "context": degrees[2], "replicas": degrees[3], "micro": micro, "remat": remat,
+            "context": degrees[2], "replicas": degrees[3], "expert_axis": degrees[4],
+            "micro": micro, "remat": remat,
         }
-        for cfg, devices, batch, seq, degrees in clusters
-        for hardware in costs.HARDWARE
-        for strategy in PLANNED
+        for cfg, devices, batch, seq, degrees, hardwares in clusters
+        for hardware in hardwares
+        for strategy in PLANNED + EXPERT_PLANNED
         for micro in (degrees[1], 2 * degrees[1])
         for remat in ("no", "dots", "full")
         if not (strategy.startswith("PP") and remat != "no")
@@ -475,12 +497,13 @@ def test_the_calculator_computes_what_the_library_computes(browser, site: str) -
     assert len(grid) >= 500
     reasons = 0
     for inputs, got in zip(grid, shown, strict=True):
+        mixture = {k: inputs[k] for k in ("experts", "top_k", "capacity_factor")}
         cfg = Config(
-            **{k: inputs[k] for k in SIZES}, max_len=inputs["seq"],
+            **{k: inputs[k] for k in SIZES}, **mixture, max_len=inputs["seq"],
             compute_dtype=calculator.DTYPE, scan_layers=True,
         )  # fmt: skip
         remat = {"no": False, "dots": "dots", "full": "full"}[inputs["remat"]]
-        degrees = {k: inputs[k] for k in ("tensor", "stages", "context", "replicas")}
+        degrees = {k: inputs[k] for k in calculator.DEGREES.values()}
         try:
             setup = calculator.setup_for(
                 STRATEGIES[inputs["strategy"]], inputs["devices"], degrees, inputs["micro"], remat

@@ -64,8 +64,13 @@ def test_fast_compile_changes_no_count() -> None:
     assert dot_flops(slow) == dot_flops(fast)
 
 
+MIXTURE = PLAIN.replace(experts=8, top_k=2, capacity_factor=2.0, scan_layers=True)
+"""The chapters' mixture of experts, with its layers scanned as the planner's models are."""
+
+
 @pytest.mark.parametrize(
-    "cfg", [TINY, TINY.replace(layers=3, mlp=96, heads=2, vocab=40, max_len=16)]
+    "cfg",
+    [TINY, TINY.replace(layers=3, mlp=96, heads=2, vocab=40, max_len=16), MIXTURE.replace(top_k=1)],
 )
 def test_counts_match_the_model(cfg: Config) -> None:
     assert costs.counts(cfg).total == count_params(create(cfg))
@@ -420,3 +425,64 @@ def test_compiled_activations_lie_between_the_textbook_and_the_ledger(remat) -> 
     ledger = kept(one) - kept({**one, "batch": 0})
     textbook = costs.activation_bytes(cfg, 1, 32, remat=bool(remat))
     assert textbook <= (large - small) / 8 <= ledger
+
+
+MIXTURE_CASES = [
+    ("DP", MIXTURE, 1, 1), ("FSDP", MIXTURE, 8, 1), ("EP", MIXTURE, 8, 1), ("EP", MIXTURE, 8, 2),
+    ("FSDP+EP", MIXTURE, 8, 1), ("EP", MIXTURE.replace(remat="full"), 8, 1),
+    ("FSDP+EP", MIXTURE.replace(remat="dots", top_k=1, capacity_factor=1.25), 8, 1),
+]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def mixtures() -> list[tuple[str, Config, Trainer, jax.stages.Compiled]]:
+    runs = [(name, cfg, trainer(name, n, cfg, micro)) for name, cfg, n, micro in MIXTURE_CASES]
+    batches = Batches(CORPUS, 64, 32)
+    programs = compile_all([(run, batches(0, run.batch)) for _, _, run in runs])
+    return [(*run, program) for run, program in zip(runs, programs, strict=True)]
+
+
+def test_a_mixtures_flops_state_all_to_alls_and_peak_against_its_compiled_steps(mixtures) -> None:
+    """Expert parallelism's rule sets priced like any other: matmul FLOPs (router, dispatch,
+    experts, combine) and the state exact, the slots' all-to-alls array for array, and the
+    peak within the tolerance, with and without remat and micro-batches."""
+    low, high = TOLERANCE
+    for name, cfg, run, program in mixtures:
+        setup = setup_of(run, cfg)
+        cost = costs.step_cost(cfg, setup, H100, 64, 32)
+        n = run.layout.mesh.size
+        assert (
+            dot_flops(program) == cost.flops == costs.step_flops(cfg, 64, 32, remat=cfg.remat) / n
+        )
+        held = [p for p in run.layout.placements if p.shape and not p.dtype.startswith("key")]
+        assert sum(p.bytes_per_device for p in held) == cost.state, name
+        report = collectives(program)
+        moved = [c for c in cost.collectives if c.transfer.kind == "all-to-all"]
+        sizes = costs.sizes_of(cfg, setup, 64, 32)
+        assert report.array_bytes("all-to-all") == sum(
+            c.array_bytes * c.transfer.passes(sizes) for c in moved
+        ), name
+        assert report.bytes("all-to-all") == sum(c.sent for c in moved), name
+        assert bool(moved) == ("EP" in name), name
+        assert low <= compiled_peak(program) / cost.peak <= high, (name, cfg.remat)
+
+
+def test_a_mixtures_unscanned_layers_keep_less_than_the_ledger() -> None:
+    """A Python loop of layers lets XLA fuse the experts' GELU and keep its input alone: the
+    compiled peak lies below the scanned model's ledger (the planner's), on the safe side."""
+    cfg = MIXTURE.replace(scan_layers=False)
+    run = trainer("EP", 8, cfg)
+    got = compiled_peak(run.compile(Batches(CORPUS, 64, 32)(0, run.batch)))
+    assert got < costs.step_cost(cfg, setup_of(run, cfg), H100, 64, 32).peak
+
+
+def test_a_mixture_is_priced_without_tensor_context_or_pipeline_axes() -> None:
+    assert costs.unpriced(STRATEGIES["FSDP+EP"], 2) == ""
+    for name in ("TP", "FSDP+TP", "CP", "PP"):
+        assert "does not price for a mixture of experts" in costs.unpriced(STRATEGIES[name], 1)
+        with pytest.raises(ValueError, match="use data, FSDP and expert parallelism"):
+            costs.derive(STRATEGIES[name], moe=1)
+    setup = costs.Setup.of(STRATEGIES["EP"], {"expert": 8})
+    assert costs.unsuitable(MIXTURE.replace(experts=6), setup, 8, 32).startswith(
+        "the expert axis (8) does not divide experts (6)"
+    )

@@ -76,7 +76,9 @@ def test_a_device_count_that_divides_nothing_gets_reasons() -> None:
         (dict(memory_per_device=-1.0), "memory_per_device must be positive"),
         (dict(strategies=["ZeRO-4"]), "no rule set named 'ZeRO-4'"),
         (dict(cfg=costs.SEVEN_B.replace(embed=0)), "the model's embed is 0"),
-        (dict(cfg=costs.SEVEN_B.replace(experts=8)), "has 8 experts per layer"),
+        (dict(cfg=costs.SEVEN_B.replace(experts=-1)), "experts=-1: use 0 for a dense MLP"),
+        (dict(cfg=costs.SEVEN_B.replace(experts=2, top_k=3)), "top_k=3 with 2 experts"),
+        (dict(cfg=costs.SEVEN_B.replace(experts=2, capacity_factor=0.0)), "capacity factor must"),
     ],
 )
 def test_bad_input_is_refused_with_the_fix(kwargs: dict, message: str) -> None:
@@ -92,3 +94,24 @@ def test_a_setup_says_itself_in_words() -> None:
     assert fsdp.describe() == "FSDP on data 8, 4 micro-batches, the dots policy"
     one = costs.Setup.of(STRATEGIES["DP"], {"data": 1}, 1, True)
     assert one.describe() == "DP on one device, 1 micro-batch, full remat"
+
+
+MIXTURE = costs.SEVEN_B.replace(experts=8, top_k=2, capacity_factor=1.25, mlp=21504)
+
+
+def test_a_mixture_is_planned_with_expert_parallelism() -> None:
+    """A mixture adds EP and FSDP+EP, whose meshes put experts on an `expert` axis that
+    divides them; rule sets the cost model does not price for a mixture are not tried, and a
+    plan that names one says why."""
+    mixed = planner.plan(MIXTURE, 64, "H100", global_batch=512, seq=4096)
+    assert planner.planned(MIXTURE) == ("DP", "ZeRO-2", "FSDP", "HSDP", "EP", "FSDP+EP")
+    tried = {o.strategy for o in mixed.options}
+    assert {"EP", "FSDP+EP"} <= tried and "TP" not in tried
+    ep = [o for o in mixed.options if o.strategy == "EP"]
+    assert {dict(o.setup.mesh)["expert"] for o in ep if o.cost} == {1, 2, 4, 8}
+    assert all("does not divide experts (8)" in o.reason for o in ep if not o.cost)
+    assert mixed.best.fits and mixed.best.strategy in tried
+    asked = planner.plan(MIXTURE, 8, "H100", global_batch=64, seq=4096, strategies=["TP", "EP"])
+    assert asked.rejected["TP"].startswith("rule set 'TP' has tensor, context or pipeline axes")
+    with pytest.raises(ValueError, match="TP: rule set 'TP' has tensor"):
+        _ = planner.plan(MIXTURE, 8, "H100", global_batch=64, seq=4096, strategies=["TP"]).best

@@ -36,7 +36,15 @@
     return product(Object.values(mesh)) === devices ? mesh : null;
   }
 
-  // nnxscale.costs.unsuitable
+  // nnxscale.costs.mixture_problem
+  function mixtureProblem(cfg) {
+    if (cfg.experts < 0) return `experts=${cfg.experts}: use 0 for a dense MLP or a positive number of experts`;
+    if (cfg.experts && !(1 <= cfg.top_k && cfg.top_k <= cfg.experts)) return `top_k=${cfg.top_k} with ${cfg.experts} experts: use 1 <= top_k <= ${cfg.experts}`;
+    if (cfg.experts && !(cfg.capacity_factor > 0)) return "the capacity factor must be positive";
+    return "";
+  }
+
+  // nnxscale.costs.unsuitable (after the mixture's checks)
   function unsuitable(c, sizes, mesh, batch, seq, micro) {
     for (const [size, axes] of c.splits) {
       const n = product(axes.map((a) => mesh[a]));
@@ -88,12 +96,29 @@
     return [sent, steps * hop + moved / bandwidth];
   }
 
+  // nnxscale.activations.mixture and nnxscale.costs.model_sizes
+  function mlpKind(cfg) {
+    return cfg.experts ? Math.min(cfg.top_k, 2) : 0;
+  }
+
+  function modelSizes(cfg, seq) {
+    const sizes = {};
+    for (const name of ["vocab", "embed", "heads", "head_dim", "mlp", "layers", "experts", "top_k"]) sizes[name] = cfg[name];
+    sizes.max_len = seq;
+    sizes.capacity = cfg.experts ? Math.max(1, Math.ceil((cfg.capacity_factor * cfg.top_k * seq) / cfg.experts)) : 0;
+    return sizes;
+  }
+
   // nnxscale.costs.step_cost
   function stepCost(spec, cfg, strategy, remat, hw, devices, degrees, batch, seq, micro) {
-    const c = spec.strategies[strategy].remat[c_remat(spec, strategy, remat)];
     const mesh = meshFor(spec, strategy, devices, degrees);
     if (!mesh) return { reason: `the degrees do not divide ${devices} devices` };
-    const sizes = Object.assign({}, cfg, { batch, seq, micro, max_len: seq, experts: 0 }, mesh);
+    const s = spec.strategies[strategy];
+    const kind = String(mlpKind(cfg));
+    const problem = mixtureProblem(cfg) || (kind in s.mlp ? "" : s.unpriced);
+    if (problem) return { reason: problem, mesh };
+    const c = s.mlp[kind][remat in s.mlp[kind] ? remat : Object.keys(s.mlp[kind])[0]];
+    const sizes = Object.assign(modelSizes(cfg, seq), { batch, seq, micro }, mesh);
     const reason = unsuitable(c, sizes, mesh, batch, seq, micro);
     if (reason) return { reason, mesh };
     const memory = {};
@@ -128,14 +153,9 @@
     const step = compute + exposed;
     return {
       mesh, memory, peak, flops, sent, comm_time: seconds, exposed, compute_time: compute, bubble, step_time: step,
-      params: evaluate(spec.parameters, sizes) / spec.constants.STATE_BYTES,
+      params: evaluate(spec.parameters[kind], sizes) / spec.constants.STATE_BYTES,
       bound: exposed <= 0.5 * step ? "compute" : "communication",
     };
-  }
-
-  function c_remat(spec, strategy, remat) {
-    const options = spec.strategies[strategy].remat;
-    return remat in options ? remat : Object.keys(options)[0];
   }
 
   const COLORS = { parameters: "#4c72b0", "optimizer state": "#55a868", "working memory": "#c44e52" };
@@ -151,9 +171,10 @@
     const n = (name) => Number(form.elements[name].value);
     const render = () => {
       const cfg = {};
-      for (const name of ["vocab", "embed", "heads", "head_dim", "mlp", "layers"]) cfg[name] = n(name);
+      for (const name of ["vocab", "embed", "heads", "head_dim", "mlp", "layers", "experts", "top_k", "capacity_factor"]) cfg[name] = n(name);
       const hw = spec.hardware.find((h) => h.name === form.elements.hardware.value);
-      const degrees = { tensor: n("tensor"), stages: n("stages"), context: n("context"), replicas: n("replicas") };
+      const degrees = {};
+      for (const name of Object.values(spec.degrees)) degrees[name] = n(name);
       const r = stepCost(spec, cfg, form.elements.strategy.value, form.elements.remat.value, hw, n("devices"), degrees, n("batch"), n("seq"), n("micro"));
       if (r.reason) {
         out.innerHTML = `<p data-field="verdict">cannot run: ${r.reason}</p>`;

@@ -20,13 +20,19 @@ from typing import Any
 from nnxscale import costs
 from nnxscale.costs import OVERLAPS, Setup
 from nnxscale.model import Config
-from nnxscale.planner import HEADROOM, PLANNED, REMATS
+from nnxscale.planner import EXPERT_PLANNED, HEADROOM, PLANNED, REMATS
 from nnxscale.rules import STRATEGIES, Rules
 
 DTYPE = "bfloat16"
 """The compute dtype the calculator prices: what large models train in."""
 
-DEGREES = {"model": "tensor", "stage": "stages", "context": "context", "replica": "replicas"}
+DEGREES = {
+    "model": "tensor",
+    "stage": "stages",
+    "context": "context",
+    "replica": "replicas",
+    "expert": "expert_axis",
+}
 """The mesh axes whose size the calculator asks for, and the form's name for each."""
 
 
@@ -51,19 +57,30 @@ def setup_for(rules: Rules, devices: int, degrees: dict[str, int], micro: int, r
     return Setup.of(rules, mesh, micro, remat)
 
 
+MLPS = (0, 1, 2)
+"""The kinds of MLP the calculator prices (`nnxscale.activations.mixture`): dense, a mixture
+whose tokens choose one expert, one whose tokens choose several."""
+
+
 def spec() -> dict[str, Any]:
     """What the JavaScript computes with, all from the library: hardware, constants, and for
-    each planned rule set and remat policy the formulas `costs.derive` gives."""
+    each planned rule set, kind of MLP and remat policy the formulas `costs.derive` gives (or
+    why the cost model has none: `unpriced`)."""
     strategies = {}
-    for name in PLANNED:
+    for name in PLANNED + EXPERT_PLANNED:
         rules = STRATEGIES[name]
         pipeline = costs.derive(rules, DTYPE).stage_axis is not None
         strategies[name] = {
             "axes": list(rules.axes),
             "used": [a for a in rules.axes if a in rules.mesh_axes()],
-            "remat": {
-                _remat_name(r): costs.derive(rules, DTYPE, r).json()
-                for r in ((False,) if pipeline else REMATS)
+            "unpriced": costs.unpriced(rules, 1),
+            "mlp": {
+                str(moe): {
+                    _remat_name(r): costs.derive(rules, DTYPE, r, moe).json()
+                    for r in ((False,) if pipeline else REMATS)
+                }
+                for moe in MLPS
+                if not costs.unpriced(rules, moe)
             },
         }
     return {
@@ -76,7 +93,10 @@ def spec() -> dict[str, Any]:
             "HEADROOM": HEADROOM,
             "STATE_BYTES": costs.STATE_BYTES,
         },
-        "parameters": costs.derive(STRATEGIES["DP"], DTYPE).state["parameters"].json(),
+        "parameters": {
+            str(moe): costs.derive(STRATEGIES["DP"], DTYPE, False, moe).state["parameters"].json()
+            for moe in MLPS
+        },
     }
 
 
@@ -91,6 +111,8 @@ FIELDS = (
     ("head_dim", "head dim (D)"),
     ("mlp", "MLP width (F)"),
     ("layers", "layers (L)"),
+    ("experts", "experts (0: dense)"),
+    ("top_k", "experts per token (k)"),
 )
 
 
@@ -116,9 +138,9 @@ def widget(
 ) -> Calculator:
     """The in-page calculator, starting from `cfg` and a cluster; every input can be changed."""
 
-    def number(name: str, label: str, value: int) -> str:
+    def number(name: str, label: str, value: float, least: int = 1, step: float = 1) -> str:
         return (
-            f'<label>{label}<input name="{name}" type="number" min="1" step="1" '
+            f'<label>{label}<input name="{name}" type="number" min="{least}" step="{step}" '
             f'value="{value}"></label>'
         )
 
@@ -129,17 +151,22 @@ def widget(
         )
         return f'<label>{label}<select name="{name}">{items}</select></label>'
 
-    inputs = [number(name, label, getattr(cfg, name)) for name, label in FIELDS]
+    inputs = [
+        number(name, label, getattr(cfg, name), 0 if name == "experts" else 1)
+        for name, label in FIELDS
+    ]
     inputs += [
+        number("capacity_factor", "capacity factor", cfg.capacity_factor, 0, 0.05),
         number("seq", "sequence length (s)", cfg.max_len),
         number("batch", "global batch (sequences)", sequences),
         number("devices", "devices", devices),
         choice("hardware", "hardware", list(costs.HARDWARE), hardware),
-        choice("strategy", "strategy", list(PLANNED), strategy),
+        choice("strategy", "strategy", list(PLANNED + EXPERT_PLANNED), strategy),
         number("tensor", "tensor width (model)", 2),
         number("stages", "pipeline stages", 2),
         number("context", "context ring", 2),
         number("replicas", "replicas (HSDP)", 2),
+        number("expert_axis", "expert axis (EP)", 2),
         number("micro", "micro-batches", micro_batches),
         choice("remat", "remat", ["no", "dots", "full"], remat),
     ]

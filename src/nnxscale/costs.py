@@ -7,9 +7,10 @@ abstract model on a mesh of size-1 axes (`jax.sharding.AbstractMesh`, no devices
 says which mesh axes split each dimension of each array; bytes per device, the weights a
 step gathers, the gradients it reduces and the activations it splits follow as `Formula`s in
 the model's sizes and the axes' sizes (`derive`). The activations are those JAX's autodiff
-keeps for the book's Transformer (`nnxscale.activations`). The formulas are evaluated for any
-model, cluster and batch (`step_cost`), searched by the planner (`nnxscale.planner`), and
-written into the page for the calculator (`nnxscale.calculator`), which only evaluates them.
+keeps for the book's Transformer (`nnxscale.activations`), dense or with a mixture of experts
+in place of each MLP. The formulas are evaluated for any model, cluster and batch
+(`step_cost`), searched by the planner (`nnxscale.planner`), and written into the page for the
+calculator (`nnxscale.calculator`), which only evaluates them.
 """
 
 from __future__ import annotations
@@ -22,12 +23,13 @@ from collections.abc import Iterable, Mapping
 from flax import nnx
 from jax.sharding import AbstractMesh, AxisType
 
-from nnxscale.activations import LOGICAL, PRIMES, kept
+from nnxscale.activations import EXPERTS, LOGICAL, PRIMES, factor, kept, mixture
 from nnxscale.comm import ring_bytes
 from nnxscale.formula import Formula
 from nnxscale.init import abstract
 from nnxscale.layout import ROUTED, activation_axes, resolve, weight_axes
 from nnxscale.model import CAST_WEIGHTS, Config, create, remat_policy
+from nnxscale.moe import capacity
 from nnxscale.rules import RuleError, Rules
 
 STATE_BYTES = 4
@@ -120,32 +122,25 @@ def hardware(name: str | Hardware) -> Hardware:
 
 @dataclasses.dataclass(frozen=True)
 class Counts:
-    """Parameter counts of the book's Transformer, by what the strategies do with them."""
+    """Parameter counts of the book's Transformer."""
 
     total: int
-    tensor: int
-    """In arrays tensor parallelism splits (a `heads`, `mlp` or `vocab` dimension)."""
-    blocks: int
-    """In the layers (what pipeline stages split)."""
     matmul: int
     """In matrix products: everything but the embedding tables (looked up) and the norms."""
-    blocks_matmul: int
-    """In the layers' matrix products (what rematerialisation computes twice)."""
 
 
 def counts(cfg: Config) -> Counts:
-    """Parameter counts of the Transformer `cfg` describes, by formula."""
+    """Parameter counts of the Transformer `cfg` describes, by formula (a mixture of experts:
+    a router and `experts` MLPs in place of each MLP)."""
     e, v = cfg.embed, cfg.vocab
     attention = 4 * e * cfg.heads * cfg.head_dim
     mlp = 2 * e * cfg.mlp
-    layer = attention + mlp + 2 * e
-    blocks = cfg.layers * layer
+    if cfg.experts:
+        mlp = cfg.experts * mlp + e * cfg.experts
+    layers = cfg.layers * (attention + mlp + 2 * e)
     return Counts(
-        total=v * e + cfg.max_len * e + blocks + e + e * v,
-        tensor=2 * v * e + cfg.layers * (attention + mlp),
-        blocks=blocks,
+        total=v * e + cfg.max_len * e + layers + e + e * v,
         matmul=cfg.layers * (attention + mlp) + e * v,
-        blocks_matmul=cfg.layers * (attention + mlp),
     )
 
 
@@ -180,21 +175,24 @@ def activation_bytes(
 
 
 def step_flops(cfg: Config, sequences: float, seq: int, *, remat: bool | str = False) -> float:
-    """FLOPs of one training step's matrix products: 3 x the forward pass's (6 x parameters x
-    tokens, plus attention's 12 L b s^2 H D). Full remat runs each layer's forward again, all
-    but its last product (the MLP's down projection, whose output the backward does not
-    need); the `dots` policy recomputes only attention's two products."""
-    c = counts(cfg)
-    tokens = sequences * seq
-    attention = 4 * cfg.layers * sequences * seq**2 * cfg.heads * cfg.head_dim
-    total = 3 * (2 * c.matmul * tokens + attention)
-    policy = remat_policy(remat)
-    if policy == "full":
-        last = cfg.layers * cfg.mlp * cfg.embed
-        total += 2 * (c.blocks_matmul - last) * tokens + attention
-    elif policy == "dots":
-        total += attention
-    return total
+    """FLOPs of one training step's matrix products over all devices (`products`): for a dense
+    model 3 x the forward pass's, 6 x parameters x tokens plus attention's 12 L b s^2 H D."""
+    sizes = {**model_sizes(cfg, seq), "batch": sequences, "seq": seq}
+    return _flops(remat_policy(remat), bool(cfg.experts))(sizes)
+
+
+def model_sizes(cfg: Config, seq: int) -> dict[str, float]:
+    """The model's sizes the formulas use, with the slots of each expert per group of `seq`
+    tokens (`capacity`) for a mixture of experts."""
+    sizes: dict[str, float] = {
+        name: getattr(cfg, name)
+        for name in ("vocab", "embed", "heads", "head_dim", "mlp", "layers", "max_len", "experts")
+    }
+    sizes["top_k"] = cfg.top_k
+    sizes["capacity"] = (
+        capacity(seq, cfg.experts, cfg.top_k, cfg.capacity_factor) if cfg.experts else 0
+    )
+    return sizes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -350,12 +348,30 @@ def _unit_mesh(rules: Rules) -> AbstractMesh:
     )
 
 
+PARAMETER_PRIMES = {
+    **{k: v for k, v in PRIMES.items() if k not in ("batch", "seq")},
+    "experts": EXPERTS,
+}
+"""The sizes of the abstract model the layouts are read off (`max_len` is `PRIMES["seq"]`)."""
+
+
 @functools.cache
-def _parameters(experts: int) -> nnx.State:
-    """The abstract parameters of the book's Transformer with stacked layers (shapes only)."""
-    sizes = {k: v for k, v in PRIMES.items() if k not in ("batch", "seq")}
+def _parameters(moe: bool) -> nnx.State:
+    """The abstract parameters of the book's Transformer with stacked layers (shapes only),
+    dense or with a mixture of experts."""
+    sizes = {k: v for k, v in PARAMETER_PRIMES.items() if k != "experts"}
+    experts = EXPERTS if moe else 0
     cfg = Config(**sizes, max_len=PRIMES["seq"], scan_layers=True, experts=experts)
     return nnx.state(abstract(lambda: create(cfg)), nnx.Param)
+
+
+def _dimension(name: str | None, size: int) -> str:
+    """The size name of a parameter's dimension: its logical name's, or for a dimension
+    without one (the router's experts) the traced size it is."""
+    if name is not None:
+        return name
+    (found,) = factor(size, PARAMETER_PRIMES).elements()
+    return found
 
 
 @dataclasses.dataclass(frozen=True)
@@ -374,22 +390,38 @@ class _Array:
         return (self.elements * itemsize).per(a for axes in self.axes[role] for a in axes)
 
 
-def _arrays(rules: Rules, experts: int) -> list[_Array]:
-    """Every parameter of the model with its axes under `rules`, for each role."""
+_ARRAYS: dict[tuple[str, bool], list[_Array]] = {}
+
+
+def _arrays(rules: Rules, moe: bool) -> list[_Array]:
+    """Every parameter of the model with its axes under `rules`, for each role (resolved once
+    per rule set)."""
+    key = (repr(rules), moe)
+    if key not in _ARRAYS:
+        _ARRAYS[key] = _resolved_arrays(rules, moe)
+    return _ARRAYS[key]
+
+
+def _resolved_arrays(rules: Rules, moe: bool) -> list[_Array]:
     if rules.auto_axis is not None:
         raise RuleError(
             f"rule set {rules.name!r} splits arrays by their sizes (automatic FSDP): the cost "
             "model derives layouts from logical names alone. Resolve it at the real sizes "
             "instead (nnxscale.resolve on an AbstractMesh)."
         )
-    params, mesh = _parameters(experts), _unit_mesh(rules)
+    params, mesh = _parameters(moe), _unit_mesh(rules)
     layouts = {
         role: resolve(params, rules, mesh, role=role, warn_bytes=math.inf)
         for role in ("params", "grads", "optimizer")
     }
     found = []
     for i, placement in enumerate(layouts["params"].placements):
-        names = placement.logical or ()
+        names = tuple(
+            _dimension(n, size)
+            for n, size in zip(
+                placement.logical or (None,) * len(placement.shape), placement.shape, strict=True
+            )
+        )
         axes = {}
         for role, layout in layouts.items():
             spec = layout.placements[i].spec
@@ -412,8 +444,11 @@ def _order(names: list[str]) -> tuple[str, ...]:
 def _split(formula: Formula, rules: Rules, *, weights: bool = False) -> Formula:
     """`formula` (bytes of whole arrays, one term per kind of array) as one device holds it:
     each term divided by the sizes of the mesh axes that `rules` split its dimensions over,
-    as an activation, or as the read copy of a weight (`weight_axes`)."""
+    as an activation, or as the read copy of a weight (`weight_axes`). A term names each
+    dimension once, so an array that repeats an axis across two of them (a mixture's slots,
+    split by group and by expert) is split once, not refused as a strict rule set would."""
     mesh, out = _unit_mesh(rules), Formula()
+    rules = dataclasses.replace(rules, strict=False)
     for powers, coefficient in formula.terms.items():
         names = _order([LOGICAL.get(n, n) for n, p in powers for _ in range(p)])
         shape = (1,) * len(names)
@@ -495,11 +530,13 @@ def _weight_transfers(
 
 
 def _activation_transfers(
-    arrays: list[_Array], rules: Rules, width: float, passes: int
+    arrays: list[_Array], rules: Rules, width: float, passes: int, moe: bool
 ) -> list[Transfer]:
     """Tensor parallelism's all-reduces of the residual stream (two per layer for each of
     attention and MLP if their weights are split, two for a vocabulary-parallel embedding and
-    head), and ring attention's key/value hops when the sequence is split."""
+    head), ring attention's key/value hops when the sequence is split, and expert
+    parallelism's all-to-alls of the experts' slots (to the experts and back, in each of
+    `passes`)."""
     stream = _per_micro_batch(_split(Formula.product(["batch", "seq", "embed"], width), rules))
     found = []
     for name, per_layer, what in (
@@ -521,6 +558,26 @@ def _activation_transfers(
                     f"{what} outputs",
                 )
             )
+    experts = _ordered(
+        (a for c in rules.logical.get("experts", ()) for a in ((c,) if isinstance(c, str) else c)),
+        rules,
+    )
+    if moe and experts:
+        slots = _per_micro_batch(
+            _split(Formula.product(["batch", "experts", "capacity", "embed"], width), rules)
+        )
+        count = Formula.of("layers") * 2 * passes
+        found.append(
+            Transfer(
+                "all-to-all",
+                experts[:1],
+                slots,
+                count * "micro",
+                count,
+                "blocking",
+                "experts' slots",
+            )
+        )
     axis = _context_axis(rules)
     if axis is not None:
         block = _per_micro_batch(
@@ -541,19 +598,62 @@ def _activation_transfers(
     return found
 
 
-def _flops(remat: str | None) -> Formula:
-    """Matmul FLOPs of one step over all devices (`step_flops`), as a formula."""
-    tokens = Formula.product(["batch", "seq"])
-    layer = Formula.product(["embed", "heads", "head_dim"], 4) + Formula.product(
-        ["embed", "mlp"], 2
+@dataclasses.dataclass(frozen=True)
+class Product:
+    """One kind of matrix product of the step: its forward FLOPs over all devices, the
+    products its backward pass makes of it (2: the input's gradient and the weight's; 1 where
+    only one operand is differentiated), and whether full remat and the `dots` policy compute
+    it again (`dots` keeps products with no batch dimensions; full remat keeps nothing, but
+    a layer's last product, whose output its backward pass does not read)."""
+
+    name: str
+    forward: Formula
+    backward: int
+    full: bool
+    dots: bool
+
+
+def products(moe: bool = False) -> tuple[Product, ...]:
+    """The step's matrix products, dense or with a mixture of experts in place of each MLP:
+    `experts` x `capacity` slots per group of `seq` tokens, filled by a one-hot dispatch
+    (whose backward pass differentiates the tokens alone) and summed back by the combine."""
+
+    def product(
+        name: str, sizes: str, flops: int, backward: int, full: bool, dots: bool
+    ) -> Product:
+        formula = Formula.product(sizes.split(), flops)
+        return Product(name, formula, backward, full, dots)
+
+    tokens = "layers batch seq"
+    attention = (
+        product("attention weights", f"{tokens} embed heads head_dim", 8, 2, True, False),
+        product("attention scores", f"{tokens} seq heads head_dim", 4, 2, True, True),
     )
-    matmul = layer * "layers" + Formula.product(["embed", "vocab"])
-    attention = Formula.product(["layers", "batch", "seq", "seq", "heads", "head_dim"], 4)
-    total = (matmul * tokens * 2 + attention) * 3
-    if remat == "full":
-        total += (layer - Formula.product(["embed", "mlp"])) * "layers" * tokens * 2 + attention
-    elif remat == "dots":
-        total += attention
+    head = product("head", "batch seq embed vocab", 2, 2, False, False)
+    if not moe:
+        return (
+            *attention,
+            product("MLP up", f"{tokens} embed mlp", 2, 2, True, False),
+            product("MLP down", f"{tokens} embed mlp", 2, 2, False, False),
+            head,
+        )
+    slots = f"{tokens} experts capacity embed"
+    return (
+        *attention,
+        product("router", f"{tokens} embed experts", 2, 2, True, False),
+        product("dispatch", slots, 2, 1, True, True),
+        product("experts", "layers batch experts capacity embed mlp", 4, 2, True, True),
+        product("combine", slots, 2, 2, False, False),
+        head,
+    )
+
+
+def _flops(remat: str | None, moe: bool = False) -> Formula:
+    """Matmul FLOPs of one step over all devices (`step_flops`), as a formula."""
+    total = Formula()
+    for p in products(moe):
+        again = (remat == "full" and p.full) or (remat == "dots" and p.dots)
+        total += p.forward * (1 + p.backward + again)
     return total
 
 
@@ -561,29 +661,44 @@ _DERIVED: dict[tuple[str, str, object, int], Costs] = {}
 
 
 def derive(
-    rules: Rules, compute_dtype: str = "float32", remat: bool | str = False, experts: int = 0
+    rules: Rules, compute_dtype: str = "float32", remat: bool | str = False, moe: int = 0
 ) -> Costs:
     """The formulas of one training step of the book's Transformer under `rules`, in the
     model's sizes, `batch` (sequences per step), `seq`, `micro` (micro-batches) and the size
     of each mesh axis: derived from the layout `rules` give the abstract model (once per
-    rule set, dtype and remat policy)."""
-    if experts:
-        raise ValueError(
-            f"the cost model prices the dense Transformer; this one has {experts} experts per "
-            "layer, whose routing arrays and all-to-alls it has no formulas for. Price the "
-            "dense model (experts=0) for everything but the experts, and read the mixture's "
-            "peak memory off its compiled step (compiled.memory_analysis())."
-        )
-    key = (repr(rules), compute_dtype, remat_policy(remat), experts)
+    rule set, dtype, remat policy and MLP: dense, or a mixture of experts as
+    `nnxscale.activations.mixture` says, whose formulas also use `experts`, `top_k` and
+    `capacity`)."""
+    why = unpriced(rules, moe)
+    if why:
+        raise ValueError(why)
+    key = (repr(rules), compute_dtype, remat_policy(remat), moe)
     if key not in _DERIVED:
-        _DERIVED[key] = _derive(rules, compute_dtype, remat, experts)
+        _DERIVED[key] = _derive(rules, compute_dtype, remat, moe)
     return _DERIVED[key]
 
 
-def _derive(rules: Rules, compute_dtype: str, remat: bool | str, experts: int) -> Costs:
+def unpriced(rules: Rules, moe: int) -> str:
+    """Why the cost model has no formulas for `rules` on this model, or "": for a mixture of
+    experts, tensor, context and pipeline axes (what the compiled steps were checked
+    against is data, FSDP and expert parallelism)."""
+    if not moe:
+        return ""
+    arrays = _arrays(rules, True)
+    tensor = any(_tensor_axes(arrays, name, rules) for name in ("heads", "mlp", "vocab"))
+    if tensor or _context_axis(rules) is not None or _tensor_stage(arrays) is not None:
+        return (
+            f"rule set {rules.name!r} has tensor, context or pipeline axes, which the cost "
+            "model does not price for a mixture of experts: use data, FSDP and expert "
+            "parallelism (EP, FSDP+EP)"
+        )
+    return ""
+
+
+def _derive(rules: Rules, compute_dtype: str, remat: bool | str, moe: int) -> Costs:
     policy = remat_policy(remat)
     width = DTYPE_BYTES[compute_dtype]
-    arrays = _arrays(rules, experts)
+    arrays = _arrays(rules, bool(moe))
     tokens = set(rules.token_axes(rules.axes))
     state = {
         "parameters": _total(a.per_device("params") for a in arrays),
@@ -615,7 +730,7 @@ def _derive(rules: Rules, compute_dtype: str, remat: bool | str, experts: int) -
         if "layers" in a.names
     )
     ring = _context_axis(rules)
-    k = kept(compute_dtype, policy or False, ring=ring is not None)
+    k = kept(compute_dtype, policy or False, ring=ring is not None, moe=moe)
     activations = _per_micro_batch(
         _split(k.layer * "layers" + k.model, rules) + _local(k.local, rules)
     )
@@ -633,10 +748,11 @@ def _derive(rules: Rules, compute_dtype: str, remat: bool | str, experts: int) -
     head = _per_micro_batch(_split(Formula.product(["batch", "seq", "vocab"], LOGIT_BYTES), rules))
     passes = Formula.of("micro") * (2 if policy else 1)
     transfers = _weight_transfers(arrays, rules, passes, Formula.of("micro"), width)
-    transfers += _activation_transfers(arrays, rules, width, 3 if policy == "full" else 2)
+    again = policy == "full" or (policy == "dots" and bool(moe))  # the experts' slots again
+    transfers += _activation_transfers(arrays, rules, width, 3 if again else 2, bool(moe))
     accumulator = gradients
-    flops = _flops(policy).per(rules.axes)
-    extra = _extra(rules)
+    flops = _flops(policy, bool(moe)).per(rules.axes)
+    extra = _extra(rules, moe=bool(moe))
     return Costs(
         rules,
         state,
@@ -656,21 +772,18 @@ def _derive(rules: Rules, compute_dtype: str, remat: bool | str, experts: int) -
     )
 
 
-def _extra(rules: Rules, pipeline: bool = False) -> dict[str, object]:
+def _extra(rules: Rules, pipeline: bool = False, moe: bool = False) -> dict[str, object]:
     """The batch's and the ring's axes, and the forward pass's and attention's FLOPs per
     device (a pipeline's backward runs its stage's forward again)."""
     ring = _context_axis(rules)
-    tokens = Formula.product(["batch", "seq"])
-    layer = Formula.product(["embed", "heads", "head_dim"], 4) + Formula.product(
-        ["embed", "mlp"], 2
-    )
-    attention = Formula.product(["layers", "batch", "seq", "seq", "heads", "head_dim"], 4)
-    forward = (layer * "layers" + Formula.product(["embed", "vocab"])) * tokens * 2 + attention
+    found = products(moe)
+    forward = sum((p.forward for p in found), Formula())
+    (scores,) = [p.forward for p in found if p.name == "attention scores"]
     return {
         "batch_axes": tuple(a for a in rules.token_axes(rules.axes) if a != ring),
         "ring_axis": ring,
         "forward_flops": (forward * (2 if pipeline else 1)).per(rules.axes),
-        "attention_flops": (attention * 3).per(rules.axes),
+        "attention_flops": (scores * 3).per(rules.axes),
     }
 
 
@@ -779,16 +892,27 @@ def _tensor_stage(arrays: list[_Array]) -> str | None:
 
 def sizes_of(cfg: Config, setup: Setup, batch: int, seq: int) -> dict[str, float]:
     """The value of every size the formulas use: the model's, the step's and the mesh's."""
-    model = {
-        name: getattr(cfg, name)
-        for name in ("vocab", "embed", "heads", "head_dim", "mlp", "layers", "max_len", "experts")
-    }
+    model = model_sizes(cfg, seq)
     return {**model, "batch": batch, "seq": seq, "micro": setup.micro_batches, **setup.sizes}
+
+
+def mixture_problem(cfg: Config) -> str:
+    """What is wrong with `cfg`'s mixture of experts, or "" (a dense model has none)."""
+    if cfg.experts < 0:
+        return f"experts={cfg.experts}: use 0 for a dense MLP or a positive number of experts"
+    if cfg.experts and not 1 <= cfg.top_k <= cfg.experts:
+        return f"top_k={cfg.top_k} with {cfg.experts} experts: use 1 <= top_k <= {cfg.experts}"
+    if cfg.experts and not cfg.capacity_factor > 0:
+        return "the capacity factor must be positive"
+    return ""
 
 
 def unsuitable(cfg: Config, setup: Setup, batch: int, seq: int) -> str:
     """Why `setup` cannot run this model and batch as the cost model prices it, or ""."""
-    costs = derive(setup.rules, cfg.compute_dtype, setup.remat, cfg.experts)
+    why = mixture_problem(cfg) or unpriced(setup.rules, mixture(cfg))
+    if why:
+        return why
+    costs = derive(setup.rules, cfg.compute_dtype, setup.remat, mixture(cfg))
     sizes = sizes_of(cfg, setup, batch, seq)
     for size, axes in costs.splits:
         n = math.prod(setup.sizes[a] for a in axes)
@@ -957,7 +1081,7 @@ def step_cost(
     """
     hw = hardware(hw)
     seq = seq or cfg.max_len
-    costs = derive(setup.rules, cfg.compute_dtype, setup.remat, cfg.experts)
+    costs = derive(setup.rules, cfg.compute_dtype, setup.remat, mixture(cfg))
     sizes = sizes_of(cfg, setup, batch, seq)
     mesh = setup.sizes
     phases = memory_phases(costs, sizes, setup.micro_batches)

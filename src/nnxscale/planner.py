@@ -14,7 +14,17 @@ import dataclasses
 import math
 from collections.abc import Iterable, Iterator
 
-from nnxscale.costs import Hardware, Setup, StepCost, derive, hardware, step_cost, unsuitable
+from nnxscale.costs import (
+    Hardware,
+    Setup,
+    StepCost,
+    derive,
+    hardware,
+    mixture_problem,
+    step_cost,
+    unpriced,
+    unsuitable,
+)
 from nnxscale.display import Markdown, table
 from nnxscale.model import Config
 from nnxscale.rules import STRATEGIES, Rules
@@ -44,6 +54,19 @@ PLANNED = (
 """The rule sets the planner considers for a dense model (their names in `STRATEGIES`). Not
 ZeRO-1: XLA's partitioner splits a gradient that only the split update reads, so ZeRO-1
 compiles to ZeRO-2's program (chapter 11 asserts it)."""
+
+EXPERT_PLANNED = ("EP", "FSDP+EP")
+"""The rule sets the planner adds for a mixture of experts."""
+
+
+def planned(cfg: Config) -> tuple[str, ...]:
+    """The rule sets the planner considers for `cfg`: `PLANNED`, and for a mixture of experts
+    those of them the cost model prices for one (no tensor, context or pipeline axes: a plan
+    that names such a rule set says so) and `EXPERT_PLANNED`."""
+    if not cfg.experts:
+        return PLANNED
+    return tuple(n for n in PLANNED if not unpriced(STRATEGIES[n], 1)) + EXPERT_PLANNED
+
 
 REMATS: tuple[bool | str, ...] = (False, "dots", "full")
 """Remat policies, from the fastest to the leanest."""
@@ -259,7 +282,7 @@ def candidates(
     cfg: Config, rules: Rules, devices: int, hw: Hardware, batch: int, seq: int
 ) -> Iterator[tuple[Setup, str]]:
     """Every setup of `rules` the planner tries, and why it cannot run if it cannot."""
-    stage = derive(rules, cfg.compute_dtype, False, cfg.experts).stage_axis
+    stage = derive(rules, cfg.compute_dtype).stage_axis
     remats = (False,) if stage is not None else REMATS
     for mesh in meshes(rules, devices, hw.domain):
         for m in micro_batches(rules, mesh, batch, stage):
@@ -276,13 +299,14 @@ def plan(
     global_batch: int,
     seq: int | None = None,
     memory_per_device: float | None = None,
-    strategies: Iterable[str] = PLANNED,
+    strategies: Iterable[str] | None = None,
     efficiency: float | None = None,
 ) -> Plan:
     """Every option for training `cfg` on `devices` devices of `hw` with batches of
     `global_batch` sequences of `seq` tokens (default `cfg.max_len`), priced and ranked;
-    `memory_per_device` defaults to the device's."""
+    `memory_per_device` defaults to the device's, `strategies` to `planned(cfg)`."""
     hw = hardware(hw)
+    strategies = planned(cfg) if strategies is None else tuple(strategies)
     seq = cfg.max_len if seq is None else seq
     memory = hw.memory if memory_per_device is None else memory_per_device
     _check(cfg, devices, global_batch, seq, memory)
@@ -321,6 +345,8 @@ def _check(cfg: Config, devices: int, batch: int, seq: int, memory: float) -> No
     for name, value in (("devices", devices), ("global_batch", batch), ("seq", seq)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    if mixture_problem(cfg):
+        raise ValueError(mixture_problem(cfg))
     if seq > cfg.max_len:
         raise ValueError(
             f"seq={seq} exceeds the model's max_len ({cfg.max_len}): raise max_len or shorten seq"
