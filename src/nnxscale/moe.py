@@ -113,8 +113,10 @@ def route(logits: jax.Array, top_k: int, slots: int) -> Routing:
     return Routing(dispatch, combine, taken, kept, aux, chosen)
 
 
+@partial(jax.jit, static_argnames=("top_k", "slots"))
 def route_groups(logits: jax.Array, top_k: int, slots: int) -> Routing:
-    """`route` for each group of `logits` (groups x tokens x experts), the loss averaged."""
+    """`route` for each group of `logits` (groups x tokens x experts), the loss averaged;
+    compiled once per shape when called eagerly (its scans would compile on every call)."""
     routing = jax.vmap(partial(route, top_k=top_k, slots=slots))(logits)
     return dataclasses.replace(routing, aux_loss=routing.aux_loss.mean())
 
