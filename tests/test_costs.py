@@ -49,19 +49,21 @@ def compiled_peak(program: jax.stages.Compiled) -> int:
     return m.argument + m.output - m.alias + m.temp
 
 
-def test_fast_compile_changes_no_count() -> None:
+@pytest.mark.parametrize("name", ["FSDP+TP", "FSDP+CP"])
+def test_fast_compile_changes_only_a_few_hundred_bytes_of_temporaries(name: str) -> None:
     programs = []
     for options in (None, FAST_COMPILE):
-        rules = STRATEGIES["FSDP+TP"]
+        rules = STRATEGIES[name]
         run = Trainer.create(
             create(TINY), optax.adam(1e-3), rules, strategy_mesh(rules, 4),
             compiler_options=options,
         )  # fmt: skip
         programs.append(run.compile(BATCHES(0, run.batch)))
-    slow, fast = programs
-    assert CompiledMemory.of(slow) == CompiledMemory.of(fast)
-    assert collectives(slow).summary() == collectives(fast).summary()
-    assert dot_flops(slow) == dot_flops(fast)
+    slow, fast = (CompiledMemory.of(p) for p in programs)
+    assert (slow.argument, slow.output, slow.alias) == (fast.argument, fast.output, fast.alias)
+    assert 0 <= fast.temp - slow.temp <= 1024
+    assert collectives(programs[0]).summary() == collectives(programs[1]).summary()
+    assert dot_flops(programs[0]) == dot_flops(programs[1])
 
 
 MIXTURE = PLAIN.replace(experts=8, top_k=2, capacity_factor=2.0, scan_layers=True)
