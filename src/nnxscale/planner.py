@@ -5,7 +5,8 @@ device count into the rule set's mesh axes (tensor parallelism no wider than a f
 such as one host), every number of micro-batches the batch allows (gradient accumulation, or
 a pipeline's), and every remat policy; it keeps those whose predicted peak memory, times the
 headroom chapter 11 measured, fits the device, and ranks them by predicted step time. It
-says why each rule set that has no such option was rejected.
+says why each rule set that has no such option was rejected. A mixture of experts adds the
+expert-parallel rule sets.
 """
 
 from __future__ import annotations
@@ -345,8 +346,9 @@ def _check(cfg: Config, devices: int, batch: int, seq: int, memory: float) -> No
     for name, value in (("devices", devices), ("global_batch", batch), ("seq", seq)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    if mixture_problem(cfg):
-        raise ValueError(mixture_problem(cfg))
+    problem = mixture_problem(cfg)
+    if problem:
+        raise ValueError(problem)
     if seq > cfg.max_len:
         raise ValueError(
             f"seq={seq} exceeds the model's max_len ({cfg.max_len}): raise max_len or shorten seq"
