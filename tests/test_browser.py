@@ -463,6 +463,8 @@ def calculator_grid() -> list[dict]:
         (mixtral, 64, 512, 4096, (2, 2, 2, 2, 8), two),
         (switch, 12, 24, 48, (2, 3, 2, 2, 2), two),
     ]
+    wrong = [dict(switch, top_k=5), dict(switch, capacity_factor=0), dict(switch, experts=-1)]
+    clusters += [(cfg, 12, 24, 48, (2, 3, 2, 2, 2), ["H100"]) for cfg in wrong]
     return [
         {
             **cfg, "seq": seq, "batch": batch, "devices": devices, "hardware": hardware,
