@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from functools import partial
+
 import jax
 import jax.numpy as jnp
+import jax.test_util
 import numpy as np
 import pytest
 from jax.sharding import NamedSharding
@@ -22,31 +25,160 @@ def arrays():
     return [jax.random.normal(k, (B, T, H, D), jnp.float32) for k in keys]
 
 
-@pytest.mark.parametrize("devices", [1, 4, 8])
+def dense(q, k, v, causal=True):
+    return jax.nn.dot_product_attention(q, k, v, is_causal=causal)
+
+
+def ring_in_order(devices, layout="zigzag", causal=True, **options):
+    mesh = make_mesh((devices,), ("context",), devices=jax.devices()[:devices])
+    ring = context.Ring("context", devices, layout)
+
+    def attend(q, k, v):
+        moved = [context.to_layout(x, ring) for x in (q, k, v)]
+        out = context.ring_attention(*moved, mesh, ring, causal=causal, **options)
+        return context.from_layout(out, ring)
+
+    return attend
+
+
+def output_and_grads(attend, q, k, v, w):
+    def both(q, k, v, w):
+        out, pullback = jax.vjp(attend, q, k, v)
+        return out, *pullback(w)
+
+    return jax.jit(both)(q, k, v, w)
+
+
+def largest_gap(a, b) -> float:
+    return max(float(jnp.abs(x - y).max()) for x, y in zip(a, b, strict=True))
+
+
+@pytest.mark.parametrize("devices", [1, 2, 4, 8])
 @pytest.mark.parametrize("layout", context.LAYOUTS)
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
-def test_ring_attention_equals_dense_attention(devices, layout, causal) -> None:
-    mesh = make_mesh((devices,), ("context",), devices=jax.devices()[:devices])
+def test_ring_attention_and_its_custom_vjp_equal_dense_attention(devices, layout, causal) -> None:
     q, k, v, w = arrays()
-
-    def dense(q, k, v):
-        return jax.nn.dot_product_attention(q, k, v, is_causal=causal)
-
-    def ring(q, k, v):
-        ring = context.Ring("context", devices, layout)
-        return context.attention_in_order(q, k, v, mesh, ring, causal=causal)
-
+    ours = output_and_grads(ring_in_order(devices, layout, causal), q, k, v, w)
+    theirs = output_and_grads(partial(dense, causal=causal), q, k, v, w)
     # float32 sums of at most 64 terms in a different order: a few ulps of values near 1
-    assert jnp.abs(jax.jit(ring)(q, k, v) - dense(q, k, v)).max() < 1e-5
-    grads = [
-        jax.jit(jax.grad(lambda *a, f=f: (f(*a) * w).sum(), argnums=(0, 1, 2)))(q, k, v)
-        for f in (dense, ring)
+    assert largest_gap(ours, theirs) < 1e-5
+
+
+@pytest.mark.parametrize(
+    "devices, length, block", [(3, 60, 5), (5, 40, 2), (6, 48, 1), (7, 70, None)]
+)
+def test_device_counts_that_divide_nothing_and_blocks_below_a_chunk(devices, length, block):
+    keys = jax.random.split(jax.random.key(1), 4)
+    q, k, v, w = (jax.random.normal(key, (2, length, 4, 8)) for key in keys)
+    ours = output_and_grads(ring_in_order(devices, block=block), q, k, v, w)
+    assert largest_gap(ours, output_and_grads(dense, q, k, v, w)) < 1e-5  # as above
+
+
+def test_in_bfloat16_the_kernel_is_as_close_to_float32_as_dense_attention_is() -> None:
+    """bfloat16 keeps 8 bits of mantissa: both kernels round their inputs and products
+    there, so each lies about 2^-8 of the values' size from the float32 result; the ring's
+    float32 accumulators keep it no further than dense attention's own error, doubled."""
+    q, k, v, w = arrays()
+    exact = output_and_grads(dense, q, k, v, w)
+    low = [x.astype(jnp.bfloat16) for x in (q, k, v, w)]
+    ours = [x.astype(jnp.float32) for x in output_and_grads(ring_in_order(4), *low)]
+    theirs = [x.astype(jnp.float32) for x in output_and_grads(dense, *low)]
+    assert largest_gap(ours, exact) <= 2 * largest_gap(theirs, exact)
+
+
+def test_the_custom_vjp_equals_autodiff_through_its_own_loops() -> None:
+    q, k, v, w = arrays()
+    flash = output_and_grads(ring_in_order(4, block=4), q, k, v, w)
+    autodiff = output_and_grads(ring_in_order(4, block=4, autodiff=True), q, k, v, w)
+    assert largest_gap(flash, autodiff) < 1e-5  # the same sums, the backward's in another order
+
+
+def test_the_custom_vjp_passes_a_numerical_gradient_check() -> None:
+    small = [x[:1, :16, :2, :4] for x in arrays()[:3]]
+    attend = jax.jit(ring_in_order(2, block=2))
+    # float32 central differences with step 1e-3: agreement to about 1e-2 relative
+    jax.test_util.check_grads(attend, small, order=1, modes=["rev"], atol=1e-2, rtol=1e-2)
+
+
+def test_the_schedule_scores_each_needed_pair_once_and_pads_with_masked_ones() -> None:
+    for name, causal in [("zigzag", True), ("contiguous", True), ("zigzag", False)]:
+        ring = context.Ring("context", 4, name)
+        length, block = 64, 4
+        positions = ring.positions(length)
+        steps = context.schedule(ring, length, block, causal)
+        for me in range(4):
+            seen = set()
+            for t, pairs in enumerate(steps):
+                held = positions[(me - t) % 4]
+                for qb, kb in pairs[me].tolist():
+                    qs, ks = positions[me][qb * block], held[kb * block]
+                    needed = not causal or qs + block - 1 >= ks
+                    assert (qs, ks) not in seen or not needed  # padding may repeat
+                    seen.add((qs, ks))
+            needed_pairs = {
+                (qs, ks)
+                for qs in positions[me][::block]
+                for ks in range(0, length, block)
+                if not causal or qs + block - 1 >= ks
+            }
+            assert needed_pairs <= seen
+
+
+@pytest.mark.parametrize("devices", [4, 8])
+def test_zigzag_scores_about_half_of_full_attention_and_contiguous_all_of_it(devices) -> None:
+    """Read off the compiled forward: the FLOPs of its products (loop trip counts
+    included) are the schedule's, the same program on every device; zig-zag's causal
+    schedule is (2N+1)/(4N) of full attention with one block per chunk, and closer to
+    a half with smaller blocks; the contiguous layout's is all of it."""
+    length, h, d = 16 * devices, 2, 16
+    ring = context.Ring("context", devices)
+
+    def flops(block, causal=True, layout="zigzag"):
+        options = {"heads": h, "head_dim": d, "grad": False, "causal": causal}
+        if layout == "zigzag":
+            program = context.compiled_attention(devices, length, block=block, **options)
+            return nx.hlo.dot_flops(program)
+        other = context.Ring("context", devices, layout)
+        return 4 * h * d * context.scored_pairs(other, length, block, causal)
+
+    full = flops(8, causal=False)
+    assert full == 4 * h * d * length * length // devices
+    for block in (8, 2):
+        assert flops(block) == 4 * h * d * context.scored_pairs(ring, length, block, True)
+    assert flops(8) / full == (2 * devices + 1) / (4 * devices)
+    assert 0.5 < flops(2) / full < flops(8) / full
+    assert flops(16, layout="contiguous") == full
+    work = ring.causal_work(length)
+    assert len(set(work)) == 1 and 2 * work[0] * devices > length * length
+
+
+def test_memory_per_device_grows_linearly_with_the_sequence_and_not_with_the_ring() -> None:
+    """Compiled temporaries of forward and backward per device: the custom VJP's grow by
+    the same bytes per token at every length (linear); autodiff through the loops keeps
+    every block's probabilities (quadratic); at fixed tokens per device the ring's size
+    changes nothing once a loop runs the middle steps (4 devices and up)."""
+
+    def temp(devices, length, **options):
+        program = context.compiled_attention(devices, length, block=32, **options)
+        return nx.CompiledMemory.of(program).temp
+
+    lengths = [1024, 2048, 4096, 8192]
+    flash = [temp(8, s) for s in lengths]
+    per_token = [
+        (b - a) / (s - r)
+        for a, b, r, s in zip(flash, flash[1:], lengths, lengths[1:], strict=False)
     ]
-    for a, b in zip(*grads, strict=True):
-        assert jnp.abs(a - b).max() < 1e-5
+    assert max(per_token) / min(per_token) < 1.05
+    kept = [temp(8, s, autodiff=True) for s in lengths[:3]]
+    assert kept[2] - kept[1] > 3.5 * (kept[1] - kept[0])  # quadruples as the length doubles
+    at = [temp(n, 256 * n) for n in (2, 4, 8)]
+    assert abs(at[2] - at[1]) < 0.02 * at[1] and at[0] <= at[1]
 
 
-def test_keys_and_values_travel_n_minus_one_hops() -> None:
+def test_keys_and_values_travel_n_minus_one_hops_and_their_gradients_n() -> None:
+    """Forward: N-1 hops of K and of V. Backward: K and V again, N-1 hops, and dK and dV
+    in float32 with them plus one hop home, N hops; the compiler sends the backward's first
+    hop of K and V once for both passes (the same operands, the same permutation)."""
     mesh = make_mesh((8,), ("context",))
     split = NamedSharding(mesh, P(None, "context"))
     ring = context.Ring("context", 8)
@@ -56,6 +188,13 @@ def test_keys_and_values_travel_n_minus_one_hops() -> None:
     block = B * (T // 8) * H * D * 4
     assert report.count() == report.count("collective-permute") == 2 * 7
     assert report.bytes() == 7 * 2 * block
+    backward = jax.jit(
+        jax.grad(lambda *a: context.ring_attention(*a, mesh, ring).sum(), argnums=(0, 1, 2))
+    )
+    report = collectives(backward.lower(q, k, v).compile())
+    hops = 2 * 7 + 2 * (7 - 1) + 2 * 8
+    assert report.count() == report.count("collective-permute") == hops
+    assert report.bytes() == hops * block
 
 
 def test_zigzag_gives_every_device_the_same_causal_work() -> None:
@@ -74,16 +213,27 @@ def test_layout_round_trip() -> None:
     assert zigzag[0, 4:8].tolist() == [28, 29, 30, 31]
 
 
-def test_a_length_the_axis_cannot_split_is_named() -> None:
+def test_bad_input_is_named_with_its_fix() -> None:
     mesh = make_mesh((4,), ("context",), devices=jax.devices()[:4])
+    ring = context.Ring("context", 4)
     q = jnp.ones((1, 20, 2, 8))
     with pytest.raises(context.ContextError, match="20 tokens cannot be cut into 8 equal"):
-        context.attention_in_order(q, q, q, mesh, context.Ring("context", 4))
+        context.attention_in_order(q, q, q, mesh, ring)
     with pytest.raises(context.ContextError, match="unknown layout 'striped'"):
         context.Ring("context", 4, "striped")
+    short = q[:, :16]
     with pytest.raises(context.ContextError, match="splits it over None"):
-        short = q[:, :16]
-        context.ring_attention(short, short, short, mesh, context.Ring("context", 4), spec=P())
+        context.ring_attention(short, short, short, mesh, ring, spec=P())
+    with pytest.raises(context.ContextError, match=r"of one shape .* grouped-query"):
+        context.ring_attention(short, short[:, :, :1], short, mesh, ring)
+    with pytest.raises(context.ContextError, match="blocks of 3 tokens do not cut the chunks"):
+        context.ring_attention(short, short, short, mesh, ring, block=3)
+    with pytest.raises(context.ContextError, match=r"mesh's axis 'context' has 4 devices"):
+        context.ring_attention(short, short, short, mesh, context.Ring("context", 2))
+    both = make_mesh((2, 4), ("model", "context"))
+    three = jnp.ones((1, 16, 3, 8))
+    with pytest.raises(context.ContextError, match=r"heads \(3\) does not divide over mesh"):
+        context.ring_attention(three, three, three, both, ring, spec=P(None, "context", "model"))
 
 
 def cp_trainer(rules, devices=None, cfg=None):
@@ -113,8 +263,9 @@ def test_the_step_passes_keys_and_values_around_the_ring_and_nothing_else_large(
     block = 8 * (cfg.max_len // n) * cfg.heads * cfg.head_dim * 4
     permutes = [c for c in report.collectives if c.kind == "collective-permute"]
     floats = [c for c in permutes if c.shape.startswith("f32")]
-    # forward: N-1 hops of K and V per layer; backward: their cotangents travel back
-    assert len(floats) == 2 * cfg.layers * (n - 1) * 2
+    # forward: N-1 hops of K and V per layer; backward: K and V again, N-1 hops (the first
+    # shared with the forward's), their gradients with them and one hop home, N
+    assert sum(c.executions for c in floats) == 2 * cfg.layers * (3 * n - 3)
     assert {c.result_bytes for c in floats} == {block}
     # besides them only the targets' token ids, put in the order of the head's tokens
     assert all(c.shape.startswith("s32") for c in permutes if c not in floats)

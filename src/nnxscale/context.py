@@ -11,15 +11,17 @@ attention matrix: at most one (its queries x one block) at a time.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from functools import partial
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, PartitionSpec
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from nnxscale.layout import activation_axis
+from nnxscale.mesh import make_mesh
 
 LAYOUTS = ("contiguous", "zigzag")
 
@@ -101,47 +103,271 @@ def context_split(length: int, layout: str = "zigzag") -> Ring | None:
     return ring
 
 
-def _fold(carry, q, k, v, q_pos, k_pos, causal: bool, scale: float):
-    """One key/value block folded into the running softmax (max, sum, weighted values)."""
-    m, total, o = carry
-    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32) * scale
+BLOCK = 512
+"""The most query and key tokens the kernel scores at once: with `block` tokens a block
+pair's scores are b x H x block^2 float32 values whatever the sequence's length."""
+
+
+def default_block(chunk: int) -> int:
+    """The largest divisor of `chunk` (the tokens of one chunk of the layout) up to `BLOCK`."""
+    return max(d for d in range(1, min(chunk, BLOCK) + 1) if chunk % d == 0)
+
+
+def _check_block(ring: Ring, length: int, block: int) -> None:
+    """Raise a clear error unless `block` tokens cut every chunk of the layout evenly."""
+    chunk = length // len(ring.chunks())
+    if block < 1 or chunk % block:
+        raise ContextError(
+            f"blocks of {block} tokens do not cut the chunks of {chunk} tokens that a "
+            f"sequence of {length} has in the {ring.layout} layout over {ring.devices} devices: "
+            f"use a block that divides {chunk}, such as {default_block(chunk)} (the default)."
+        )
+
+
+@functools.cache
+def schedule(ring: Ring, length: int, block: int, causal: bool) -> tuple[np.ndarray, ...]:
+    """The block pairs each device scores at each ring step: for step t an int array of shape
+    (devices, pairs, 2) holding (query block, key block) indices into the device's own queries
+    and the keys it holds at t (those of device me - t).
+
+    Every device runs one program, so at each step every device scores as many pairs as the
+    busiest one, and every step after the first as many as the busiest of them (one loop runs
+    them; in the zig-zag and contiguous layouts those steps all need as many). A device's
+    pairs that it does not need (wholly above the diagonal: every key after every query, so
+    masked to nothing) fill its list up to that count."""
+    ring.check(length)
+    _check_block(ring, length, block)
+    n = ring.devices
+    starts = ring.positions(length)[:, ::block]  # (devices, blocks): each block's first token
+    blocks = starts.shape[1]
+    needed = [
+        (np.bool_(not causal) | (starts[:, :, None] + block - 1 >= held[:, None, :])).reshape(n, -1)
+        for held in (np.roll(starts, t, axis=0) for t in range(n))  # me holds me - t's keys
+    ]
+    counts = [int(need.sum(axis=1).max()) for need in needed]  # the busiest device's pairs
+    widths = [counts[0]] + [max(counts[1:], default=0)] * (n - 1)
+    return tuple(
+        np.stack(np.divmod(np.argsort(~need, axis=1, kind="stable")[:, :w], blocks), -1).astype(
+            np.int32
+        )  # needed pairs first
+        for need, w in zip(needed, widths, strict=True)
+    )
+
+
+def scored_pairs(ring: Ring, length: int, block: int, causal: bool) -> int:
+    """Query-key pairs each device scores in one pass of the kernel (the same on every
+    device): block^2 per scheduled block pair, masked or not."""
+    return sum(s.shape[1] for s in schedule(ring, length, block, causal)) * block * block
+
+
+def _scores(q, k, q_pos, k_pos, causal: bool, scale: float) -> jax.Array:
+    """Float32 scores (b, H, queries, keys) of one block pair, -inf where the mask hides a key."""
+    s = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32) * scale
     if causal:
-        visible = q_pos[:, None] >= k_pos[None, :]
-        scores = jnp.where(visible[None, None], scores, -jnp.inf)
-    m_new = jnp.maximum(m, scores.max(axis=-1))
-    safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
-    p = jnp.exp(scores - safe[..., None])
-    correction = jnp.exp(m - safe)
-    total = total * correction + p.sum(axis=-1)
-    o = o * correction.transpose(0, 2, 1)[..., None] + jnp.einsum(
-        "bhqk,bkhd->bqhd", p.astype(v.dtype), v
-    ).astype(jnp.float32)
-    return m_new, total, o
+        s = jnp.where((q_pos[:, None] >= k_pos[None, :])[None, None], s, -jnp.inf)
+    return s
+
+
+def _rows(x: jax.Array, start: jax.Array, block: int, axis: int) -> jax.Array:
+    return jax.lax.dynamic_slice_in_dim(x, start, block, axis)
+
+
+def _put(x: jax.Array, rows: jax.Array, start: jax.Array, axis: int) -> jax.Array:
+    return jax.lax.dynamic_update_slice_in_dim(x, rows, start, axis)
+
+
+def _filled(shape: tuple[int, ...], value: float, like: jax.Array) -> jax.Array:
+    """A float32 array of `value` that varies over the same mesh axes as `like` (a loop's
+    carry inside `jax.shard_map` must keep its type)."""
+    return jnp.full_like(like, value, dtype=jnp.float32, shape=shape)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Kernel:
+    """One device's blockwise attention over the ring: the ring, the whole length, the mask
+    and the tokens scored at once."""
+
+    ring: Ring
+    length: int
+    causal: bool
+    block: int
+
+    def hop(self, x):
+        """`x` from each device to the next one around the ring."""
+        n = self.ring.devices
+        return jax.lax.ppermute(x, self.ring.axis, [(i, (i + 1) % n) for i in range(n)])
+
+    def around(self, state, held, fold):
+        """`fold(state, held, pairs, positions)` at every ring step, `held` (the key/value block
+        and what travels with it) passed one hop on after each step but the last. The steps
+        between the first and the last run as one loop, so the compiler keeps at most the
+        held block and the one arriving, whatever the ring's size."""
+        n, me = self.ring.devices, jax.lax.axis_index(self.ring.axis)
+        table = jnp.asarray(self.ring.positions(self.length))
+        steps = schedule(self.ring, self.length, self.block, self.causal)
+
+        def visit(carry, step, last=False):
+            state, held = carry
+            t, pairs = step
+            state, held = fold(state, held, pairs, table[me], table[(me - t) % n])
+            return (state, held if last else self.hop(held)), None
+
+        carry, _ = visit((state, held), (0, jnp.asarray(steps[0])[me]), last=n == 1)
+        if n > 2:
+            middle = (jnp.arange(1, n - 1), jnp.asarray(np.stack(steps[1:-1], 1))[me])
+            carry, _ = jax.lax.scan(visit, carry, middle)
+        if n > 1:
+            carry, _ = visit(carry, (n - 1, jnp.asarray(steps[-1])[me]), last=True)
+        return carry
+
+    def forward(self, q, k, v):
+        """Queries against every key/value block as the blocks travel the ring, one block pair
+        at a time into a running softmax; the output and each query's log-sum-exp."""
+        bl, b, sq, h, d = self.block, *q.shape
+        scale = 1 / math.sqrt(d)
+
+        def fold(state, held, pairs, q_pos, k_pos):
+            k, v = held
+
+            def pair(state, ij):
+                m, total, o = state
+                qs, ks = ij[0] * bl, ij[1] * bl
+                s = _scores(_rows(q, qs, bl, 1), _rows(k, ks, bl, 1), _rows(q_pos, qs, bl, 0),
+                            _rows(k_pos, ks, bl, 0), self.causal, scale)  # fmt: skip
+                m_old, total_old = _rows(m, qs, bl, 2), _rows(total, qs, bl, 2)
+                m_new = jnp.maximum(m_old, s.max(axis=-1))
+                safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
+                p = jnp.exp(s - safe[..., None])
+                correction = jnp.exp(m_old - safe)
+                pv = jnp.einsum("bhqk,bkhd->bqhd", p.astype(v.dtype), _rows(v, ks, bl, 1),
+                                preferred_element_type=jnp.float32)  # fmt: skip
+                o_rows = _rows(o, qs, bl, 1) * correction.transpose(0, 2, 1)[..., None] + pv
+                state = (
+                    _put(m, m_new, qs, 2),
+                    _put(total, total_old * correction + p.sum(axis=-1), qs, 2),
+                    _put(o, o_rows, qs, 1),
+                )
+                return state, None
+
+            return jax.lax.scan(pair, state, pairs)[0], held
+
+        start = (
+            _filled((b, h, sq), -jnp.inf, q),
+            _filled((b, h, sq), 0.0, q),
+            _filled(q.shape, 0.0, q),
+        )
+        (m, total, o), _ = self.around(start, (k, v), fold)
+        out = (o / total.transpose(0, 2, 1)[..., None]).astype(q.dtype)
+        return out, m + jnp.log(total)
+
+    def backward(self, q, k, v, out, lse, d_out):
+        """The gradients, each block pair's probabilities recomputed from the saved
+        log-sum-exp: the key/value blocks travel the ring again, their gradients with them,
+        and one last hop takes each block's gradient home."""
+        bl = self.block
+        scale = 1 / math.sqrt(q.shape[-1])
+        delta = jnp.einsum("bqhd,bqhd->bhq", d_out.astype(jnp.float32), out.astype(jnp.float32))
+
+        def fold(dq, held, pairs, q_pos, k_pos):
+            def pair(carry, ij):
+                dq, (k, v, dk, dv) = carry
+                qs, ks = ij[0] * bl, ij[1] * bl
+                q_b, k_b, v_b = _rows(q, qs, bl, 1), _rows(k, ks, bl, 1), _rows(v, ks, bl, 1)
+                do_b = _rows(d_out, qs, bl, 1)
+                s = _scores(q_b, k_b, _rows(q_pos, qs, bl, 0), _rows(k_pos, ks, bl, 0),
+                            self.causal, scale)  # fmt: skip
+                p = jnp.exp(s - _rows(lse, qs, bl, 2)[..., None])
+                dv_b = jnp.einsum("bhqk,bqhd->bkhd", p.astype(do_b.dtype), do_b,
+                                  preferred_element_type=jnp.float32)  # fmt: skip
+                dp = jnp.einsum("bqhd,bkhd->bhqk", do_b, v_b, preferred_element_type=jnp.float32)
+                ds = (p * (dp - _rows(delta, qs, bl, 2)[..., None]) * scale).astype(q.dtype)
+                dq_b = jnp.einsum("bhqk,bkhd->bqhd", ds, k_b, preferred_element_type=jnp.float32)
+                dk_b = jnp.einsum("bhqk,bqhd->bkhd", ds, q_b, preferred_element_type=jnp.float32)
+                dq = _put(dq, _rows(dq, qs, bl, 1) + dq_b, qs, 1)
+                dk = _put(dk, _rows(dk, ks, bl, 1) + dk_b, ks, 1)
+                dv = _put(dv, _rows(dv, ks, bl, 1) + dv_b, ks, 1)
+                return (dq, (k, v, dk, dv)), None
+
+            return jax.lax.scan(pair, (dq, held), pairs)[0]
+
+        zeros = [_filled(x.shape, 0.0, x) for x in (q, k, v)]
+        dq, (_, _, dk, dv) = self.around(zeros[0], (k, v, *zeros[1:]), fold)
+        if self.ring.devices > 1:
+            dk, dv = self.hop((dk, dv))  # each block's gradient one more hop, to its owner
+        return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+
+
+@functools.cache
+def _attend(kernel: _Kernel, autodiff: bool):
+    """The kernel as one device's differentiable function: with a custom VJP that keeps only
+    q, k, v, the output and the log-sum-exp, or (`autodiff`) differentiated by JAX through the
+    forward's loops, which keeps every block pair's probabilities."""
+    if autodiff:
+        return lambda q, k, v: kernel.forward(q, k, v)[0]
+
+    @jax.custom_vjp
+    def attend(q, k, v):
+        return kernel.forward(q, k, v)[0]
+
+    def forward(q, k, v):
+        out, lse = kernel.forward(q, k, v)
+        return out, (q, k, v, out, lse)
+
+    def backward(saved, d_out):
+        return kernel.backward(*saved, d_out)
+
+    attend.defvjp(forward, backward)
+    return attend
 
 
 def ring_attention_local(
-    q: jax.Array, k: jax.Array, v: jax.Array, *, ring: Ring, length: int, causal: bool = True
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    *,
+    ring: Ring,
+    length: int,
+    causal: bool = True,
+    block: int | None = None,
+    autodiff: bool = False,
 ) -> jax.Array:
     """The program one device runs inside `jax.shard_map`: its queries against every key/value
-    block, the blocks passed one hop around the ring N-1 times."""
-    n = ring.devices
-    me = jax.lax.axis_index(ring.axis)
-    table = jnp.asarray(ring.positions(length))
-    b, sq, h, d = q.shape
-    carry = (
-        jnp.full((b, h, sq), -jnp.inf, jnp.float32),
-        jnp.zeros((b, h, sq), jnp.float32),
-        jnp.zeros((b, sq, h, d), jnp.float32),
-    )
-    hop = [(i, (i + 1) % n) for i in range(n)]
-    scale = 1 / math.sqrt(d)
-    for step in range(n):
-        source = (me - step) % n  # whose block this device holds now
-        carry = _fold(carry, q, k, v, table[me], table[source], causal, scale)
-        if step < n - 1:
-            k, v = jax.lax.ppermute((k, v), ring.axis, hop)
-    _, total, o = carry
-    return (o / total.transpose(0, 2, 1)[..., None]).astype(q.dtype)
+    block, the blocks passed one hop around the ring N-1 times, `block` tokens at a time."""
+    chunk = length // len(ring.chunks())
+    kernel = _Kernel(ring, length, causal, block or default_block(chunk))
+    return _attend(kernel, autodiff)(q, k, v)
+
+
+def _check_inputs(q, k, v, mesh: Mesh, ring: Ring, spec: PartitionSpec) -> None:
+    """Raise a clear error, naming the fix, for arrays or a split the kernel cannot take."""
+    if not q.shape == k.shape == v.shape or q.ndim != 4:
+        raise ContextError(
+            "ring attention takes queries, keys and values of one shape (batch, length, heads, "
+            f"head_dim); got {q.shape}, {k.shape} and {v.shape}: repeat the key/value heads "
+            "to the queries' count first for grouped-query attention."
+        )
+    if mesh.shape.get(ring.axis) != ring.devices:
+        raise ContextError(
+            f"the ring has {ring.devices} devices but the mesh's axis {ring.axis!r} has "
+            f"{mesh.shape.get(ring.axis, 'no')} devices: build the Ring from the mesh, "
+            f"Ring({ring.axis!r}, mesh.shape[{ring.axis!r}])."
+        )
+    if len(spec) < 2 or spec[1] != ring.axis:
+        raise ContextError(
+            f"ring attention needs the sequence (dimension 1) split over {ring.axis!r}; the "
+            f"spec {spec} splits it over {spec[1] if len(spec) > 1 else None!r}."
+        )
+    for dim, (name, size) in enumerate(
+        zip(("batch", "length", "heads", "head_dim"), q.shape, strict=True)
+    ):
+        axes = spec[dim] if dim < len(spec) else None
+        axes = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+        split = math.prod(mesh.shape[a] for a in axes)
+        if size % split:
+            raise ContextError(
+                f"the {name} ({size}) does not divide over mesh axes {axes} ({split} "
+                f"devices): use a {name} that is a multiple of {split}, or leave it whole."
+            )
 
 
 def ring_attention(
@@ -153,20 +379,59 @@ def ring_attention(
     *,
     spec: PartitionSpec | None = None,
     causal: bool = True,
+    block: int | None = None,
+    autodiff: bool = False,
 ) -> jax.Array:
     """Attention of (batch, length, heads, head_dim) arrays whose sequence is already in the
     ring's layout (`to_layout`) and split over its axis: how a model keeps them from layer to
     layer. `spec` may split batch and heads too (the sequence must be split over the ring's
-    axis). The result is in the same layout and split."""
-    ring.check(q.shape[1])
+    axis). The result is in the same layout and split. `block` sets the tokens scored at once
+    (`default_block`); `autodiff` differentiates the loops instead of the custom VJP, to
+    measure what the custom VJP saves."""
     spec = PartitionSpec(None, ring.axis) if spec is None else spec
-    if len(spec) < 2 or spec[1] != ring.axis:
-        raise ContextError(
-            f"ring attention needs the sequence (dimension 1) split over {ring.axis!r}; the "
-            f"spec {spec} splits it over {spec[1] if len(spec) > 1 else None!r}."
-        )
-    body = partial(ring_attention_local, ring=ring, length=q.shape[1], causal=causal)
+    _check_inputs(q, k, v, mesh, ring, spec)
+    ring.check(q.shape[1])
+    if block is not None:
+        _check_block(ring, q.shape[1], block)
+    body = partial(
+        ring_attention_local,
+        ring=ring,
+        length=q.shape[1],
+        causal=causal,
+        block=block,
+        autodiff=autodiff,
+    )
     return jax.shard_map(body, mesh=mesh, in_specs=(spec,) * 3, out_specs=spec)(q, k, v)
+
+
+def compiled_attention(
+    devices: int,
+    length: int,
+    *,
+    heads: int = 2,
+    head_dim: int = 16,
+    block: int | None = None,
+    causal: bool = True,
+    grad: bool = True,
+    autodiff: bool = False,
+    dense: bool = False,
+) -> jax.stages.Compiled:
+    """The compiled attention of one float32 sequence of `length` tokens split over a zig-zag
+    ring of the first `devices` devices, forward and backward (`grad`), compiled only: what
+    the chapter reads its memory and FLOPs from. `dense` compiles
+    `jax.nn.dot_product_attention` instead, on one device."""
+    mesh = make_mesh((devices,), ("context",), devices=jax.devices()[:devices])
+    ring = Ring("context", devices)
+    split = NamedSharding(mesh, PartitionSpec(None, "context"))
+    x = jax.ShapeDtypeStruct((1, length, heads, head_dim), jnp.float32, sharding=split)
+
+    def attend(q, k, v):
+        if dense:
+            return jax.nn.dot_product_attention(q, k, v, is_causal=causal)
+        return ring_attention(q, k, v, mesh, ring, causal=causal, block=block, autodiff=autodiff)
+
+    program = jax.grad(lambda *a: attend(*a).sum(), argnums=(0, 1, 2)) if grad else attend
+    return jax.jit(program).lower(x, x, x).compile()
 
 
 def attention_in_order(

@@ -44,16 +44,17 @@ class CompiledMemory:
 
 def residual_arrays(fn: Callable[..., Any], *args: Any) -> list[jax.ShapeDtypeStruct]:
     """The arrays JAX's autodiff keeps from the forward pass of `fn` at `args` for its backward
-    pass, leaving out `args` themselves (they exist anyway), found by tracing alone: shapes
-    and dtypes, no values, so it costs no memory whatever the sizes."""
+    pass, leaving out `args` themselves and the program's constants (they exist anyway),
+    found by tracing alone: shapes and dtypes, no values, so it costs no memory whatever the
+    sizes."""
     closed, shapes = jax.make_jaxpr(lambda *a: jax.vjp(fn, *a), return_shape=True)(*args)
     count = len(jax.tree.leaves(shapes[1]))
-    inputs = {id(v) for v in closed.jaxpr.invars}
+    inputs = {id(v) for v in (*closed.jaxpr.invars, *closed.jaxpr.constvars)}
     kept = closed.jaxpr.outvars[len(closed.jaxpr.outvars) - count :]
     return [
         jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype)
         for v in kept
-        if id(v) not in inputs and v.aval.size  # the function's inputs; empty markers
+        if id(v) not in inputs and v.aval.size  # inputs, the program's constants; empty markers
     ]
 
 
