@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
+import numpy as np
 
-from nnxscale.memory import saved_bytes
+from nnxscale.memory import CompiledMemory, residual_arrays, saved_bytes
 
 
 def test_saved_bytes_are_the_residuals_of_the_backward_pass():
@@ -14,3 +16,20 @@ def test_saved_bytes_are_the_residuals_of_the_backward_pass():
     # a linear function keeps nothing that grows with x (only its constant, 3)
     wide = jnp.ones((40, 8), jnp.float32)
     assert saved_bytes(lambda x: (3 * x).sum(), x) == saved_bytes(lambda x: (3 * x).sum(), wide)
+
+
+def test_residual_arrays_leave_out_the_programs_constants():
+    """A table the function closes over (a constant) exists whatever autodiff keeps."""
+    table = np.arange(64, dtype=np.float32).reshape(8, 8)
+    x = jnp.ones((8, 8), jnp.float32)
+    kept = residual_arrays(lambda x: jnp.sin(x * jnp.asarray(table)).sum(), x)
+    assert [a.shape for a in kept] == [(8, 8)]  # cos(x * table), not the table
+
+
+def test_held_counts_donated_buffers_once_and_adds_the_temporaries():
+    x = jnp.ones((256, 256), jnp.float32)
+    step = jax.jit(lambda x: jnp.sin(x) @ jnp.cos(x), donate_argnums=0)
+    memory = CompiledMemory.of(step.lower(x).compile())
+    # the output reuses the donated input: one buffer of x, not two, beside the temporaries
+    assert memory.alias == x.nbytes
+    assert memory.held == x.nbytes + memory.temp

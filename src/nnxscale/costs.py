@@ -530,11 +530,12 @@ def _weight_transfers(
 
 
 def _activation_transfers(
-    arrays: list[_Array], rules: Rules, width: float, passes: int, moe: bool
+    arrays: list[_Array], rules: Rules, width: float, passes: int, moe: bool, rerun: bool
 ) -> list[Transfer]:
     """Tensor parallelism's all-reduces of the residual stream (two per layer for each of
     attention and MLP if their weights are split, two for a vocabulary-parallel embedding and
-    head), ring attention's key/value hops when the sequence is split, and expert
+    head), ring attention's key/value hops when the sequence is split (their forward again
+    when remat rebuilds the layer: `rerun`), and expert
     parallelism's all-to-alls of the experts' slots (to the experts and back, in each of
     `passes`)."""
     stream = _per_micro_batch(_split(Formula.product(["batch", "seq", "embed"], width), rules))
@@ -580,21 +581,27 @@ def _activation_transfers(
         )
     axis = _context_axis(rules)
     if axis is not None:
-        block = _per_micro_batch(
-            _split(Formula.product(["batch", "seq", "heads", "head_dim"], 2 * width), rules)
-        )
+        values = Formula.product(["batch", "seq", "heads", "head_dim"], 2)  # a K and a V block
         hops = Formula.of(axis) - 1
-        found.append(
-            Transfer(
-                "collective-permute",
-                (axis,),
-                block,
-                Formula.of("layers") * hops * 2 * "micro",
-                Formula.of("layers") * hops * 2,
-                "ring",
-                "keys and values",
+        # forward: N-1 hops, again when remat rebuilds the layer; backward: N-1 more, the
+        # first shared with the forward's (the compiler sends it once)
+        keys = Formula.of("layers") * (hops * (2 if rerun else 1) + hops - 1)
+        grads = Formula.of("layers") * Formula.of(axis)  # with K and V, and one hop home
+        for size, count, what in (
+            (width, keys, "keys and values"),
+            (STATE_BYTES, grads, "their gradients, in float32"),
+        ):
+            found.append(
+                Transfer(
+                    "collective-permute",
+                    (axis,),
+                    _per_micro_batch(_split(values * size, rules)),
+                    count * "micro",
+                    count,
+                    "ring",
+                    what,
+                )
             )
-        )
     return found
 
 
@@ -749,10 +756,15 @@ def _derive(rules: Rules, compute_dtype: str, remat: bool | str, moe: int) -> Co
     passes = Formula.of("micro") * (2 if policy else 1)
     transfers = _weight_transfers(arrays, rules, passes, Formula.of("micro"), width)
     again = policy == "full" or (policy == "dots" and bool(moe))  # the experts' slots again
-    transfers += _activation_transfers(arrays, rules, width, 3 if again else 2, bool(moe))
+    transfers += _activation_transfers(
+        arrays, rules, width, 3 if again else 2, bool(moe), policy is not None
+    )
     accumulator = gradients
-    flops = _flops(policy, bool(moe)).per(rules.axes)
-    extra = _extra(rules, moe=bool(moe))
+    flops = _flops(policy, bool(moe))
+    if ring is not None:
+        flops += _ring_flops(policy, ring) - _ring_flops(policy, None)
+    flops = flops.per(rules.axes)
+    extra = _extra(rules, moe=bool(moe), policy=policy)
     return Costs(
         rules,
         state,
@@ -772,19 +784,32 @@ def _derive(rules: Rules, compute_dtype: str, remat: bool | str, moe: int) -> Co
     )
 
 
-def _extra(rules: Rules, pipeline: bool = False, moe: bool = False) -> dict[str, object]:
+def _extra(
+    rules: Rules, pipeline: bool = False, moe: bool = False, policy: str | None = None
+) -> dict[str, object]:
     """The batch's and the ring's axes, and the forward pass's and attention's FLOPs per
     device (a pipeline's backward runs its stage's forward again)."""
     ring = _context_axis(rules)
-    found = products(moe)
-    forward = sum((p.forward for p in found), Formula())
-    (scores,) = [p.forward for p in found if p.name == "attention scores"]
+    forward = sum((p.forward for p in products(moe)), Formula())
     return {
         "batch_axes": tuple(a for a in rules.token_axes(rules.axes) if a != ring),
         "ring_axis": ring,
         "forward_flops": (forward * (2 if pipeline else 1)).per(rules.axes),
-        "attention_flops": (scores * 3).per(rules.axes),
+        "attention_flops": _ring_flops(policy, ring).per(rules.axes),
     }
+
+
+def _ring_flops(policy: str | None, ring: str | None) -> Formula:
+    """Attention's FLOPs per step over all devices. Dense: every query-key pair, forward,
+    twice backward, again under remat. On a zig-zag ring (`nnxscale.context`): 1/2 + 1/(4N)
+    of the pairs under the causal mask (with one block per chunk; smaller blocks score
+    fewer), forward, 2.5 times backward (the custom VJP recomputes the scores), again under
+    remat."""
+    (scores,) = [p.forward for p in products() if p.name == "attention scores"]
+    again = 1 if policy else 0
+    if ring is None:
+        return scores * (3 + again)
+    return (scores * 0.5 + scores * 0.25 / ring) * (3.5 + again)
 
 
 def _context_axis(rules: Rules) -> str | None:
@@ -1147,14 +1172,22 @@ def ring_hop_tokens(
     axis: str = "context",
     dtype: str = "bfloat16",
     efficiency: float = EFFICIENCY,
+    causal: bool = True,
 ) -> float:
-    """Tokens of a sequence per device above which one ring-attention hop computes longer
-    than it takes to send the next key/value block over the link the ring's axis crosses
-    (`link`): a chunk of c tokens does 4 c^2 H D FLOPs against 2 c H D values sent, so
-    c >= bytes x FLOP/s x efficiency / (2 x link bytes/s), whatever the model's shape."""
+    """Tokens of a sequence per device above which each ring-attention hop computes longer
+    than it takes to send the next block over the link the ring's axis crosses (`link`),
+    whatever the model's shape. A chunk of c tokens scores a share p of its c^2 pairs with the
+    block in hand (a half under a causal mask, on the zig-zag ring): forward, 4 p c^2 H D
+    FLOPs against a K and a V block of c H D values in `dtype`; backward, 10 p c^2 H D FLOPs
+    (five products) against K and V again and their float32 gradients. The larger of the
+    two thresholds."""
     hw = hardware(hw)
     bandwidth, _ = link([axis], mesh, hw)
-    return DTYPE_BYTES[dtype] * hw.flops * efficiency / (2 * bandwidth)
+    share = 0.5 if causal else 1.0
+    width, reach = DTYPE_BYTES[dtype], hw.flops * efficiency / bandwidth
+    forward = 2 * width / (4 * share)
+    backward = 2 * (width + STATE_BYTES) / (10 * share)
+    return max(forward, backward) * reach
 
 
 def crossover(cfg: Config, setup: Setup, hw: Hardware | str, seq: int | None = None) -> float:

@@ -41,6 +41,12 @@ class CompiledMemory:
             peak=stats.peak_memory_in_bytes,
         )
 
+    @property
+    def held(self) -> int:
+        """Arguments + outputs - what they share (donated buffers) + temporaries: the most
+        the program holds at once (on the CPU `peak` leaves the temporaries out)."""
+        return self.argument + self.output - self.alias + self.temp
+
 
 def residual_arrays(fn: Callable[..., Any], *args: Any) -> list[jax.ShapeDtypeStruct]:
     """The arrays JAX's autodiff keeps from the forward pass of `fn` at `args` for its backward
