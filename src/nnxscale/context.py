@@ -415,11 +415,13 @@ def compiled_attention(
     grad: bool = True,
     autodiff: bool = False,
     dense: bool = False,
+    compiler_options: dict[str, object] | None = None,
 ) -> jax.stages.Compiled:
     """The compiled attention of one float32 sequence of `length` tokens split over a zig-zag
     ring of the first `devices` devices, forward and backward (`grad`), compiled only: what
     the chapter reads its memory and FLOPs from. `dense` compiles
-    `jax.nn.dot_product_attention` instead, on one device."""
+    `jax.nn.dot_product_attention` instead, on one device; `compiler_options` go to XLA
+    (`nnxscale.train.FAST_COMPILE` compiles faster)."""
     mesh = make_mesh((devices,), ("context",), devices=jax.devices()[:devices])
     ring = Ring("context", devices)
     split = NamedSharding(mesh, PartitionSpec(None, "context"))
@@ -431,7 +433,7 @@ def compiled_attention(
         return ring_attention(q, k, v, mesh, ring, causal=causal, block=block, autodiff=autodiff)
 
     program = jax.grad(lambda *a: attend(*a).sum(), argnums=(0, 1, 2)) if grad else attend
-    return jax.jit(program).lower(x, x, x).compile()
+    return jax.jit(program).lower(x, x, x).compile(compiler_options)
 
 
 def attention_in_order(
