@@ -198,26 +198,33 @@ class _Kernel:
         return jax.lax.ppermute(x, self.ring.axis, [(i, (i + 1) % n) for i in range(n)])
 
     def around(self, state, held, fold):
-        """`fold(state, held, pairs, positions)` at every ring step, `held` (the key/value block
+        """`fold(state, held, pair_at, width, q_pos, k_pos)` at every ring step: `width`
+        block pairs, the i-th read by `pair_at(i)` from the schedule, `held` (the K/V shard
         and what travels with it) passed one hop on after each step but the last. The steps
         between the first and the last run as one loop, so the compiler keeps at most the
-        held block and the one arriving, whatever the ring's size."""
+        held shard and the one arriving, whatever the ring's size; the schedule stays a
+        constant of the program, read two indices at a time."""
         n, me = self.ring.devices, jax.lax.axis_index(self.ring.axis)
         table = jnp.asarray(self.ring.positions(self.length))
         steps = schedule(self.ring, self.length, self.block, self.causal)
 
-        def visit(carry, step, last=False):
+        def visit(carry, t, pair_at, width, last=False):
             state, held = carry
-            t, pairs = step
-            state, held = fold(state, held, pairs, table[me], table[(me - t) % n])
+            state, held = fold(state, held, pair_at, width, table[me], table[(me - t) % n])
             return (state, held if last else self.hop(held)), None
 
-        carry, _ = visit((state, held), (0, jnp.asarray(steps[0])[me]), last=n == 1)
+        first = jnp.asarray(steps[0])
+        carry, _ = visit((state, held), 0, lambda i: first[me, i], first.shape[1], n == 1)
         if n > 2:
-            middle = (jnp.arange(1, n - 1), jnp.asarray(np.stack(steps[1:-1], 1))[me])
-            carry, _ = jax.lax.scan(visit, carry, middle)
+            middle = jnp.asarray(np.stack(steps[1:-1]))  # (steps, devices, pairs, 2)
+
+            def step(carry, t):
+                return visit(carry, t, lambda i: middle[t - 1, me, i], middle.shape[2])
+
+            carry, _ = jax.lax.scan(step, carry, jnp.arange(1, n - 1))
         if n > 1:
-            carry, _ = visit(carry, (n - 1, jnp.asarray(steps[-1])[me]), last=True)
+            final = jnp.asarray(steps[-1])
+            carry, _ = visit(carry, n - 1, lambda i: final[me, i], final.shape[1], True)
         return carry
 
     def forward(self, q, k, v):
@@ -226,10 +233,11 @@ class _Kernel:
         bl, b, sq, h, d = self.block, *q.shape
         scale = 1 / math.sqrt(d)
 
-        def fold(state, held, pairs, q_pos, k_pos):
+        def fold(state, held, pair_at, width, q_pos, k_pos):
             k, v = held
 
-            def pair(state, ij):
+            def pair(i, state):
+                ij = pair_at(i)
                 m, total, o = state
                 qs, ks = ij[0] * bl, ij[1] * bl
                 s = _scores(_rows(q, qs, bl, 1), _rows(k, ks, bl, 1), _rows(q_pos, qs, bl, 0),
@@ -242,14 +250,13 @@ class _Kernel:
                 pv = jnp.einsum("bhqk,bkhd->bqhd", p.astype(v.dtype), _rows(v, ks, bl, 1),
                                 preferred_element_type=jnp.float32)  # fmt: skip
                 o_rows = _rows(o, qs, bl, 1) * correction.transpose(0, 2, 1)[..., None] + pv
-                state = (
+                return (
                     _put(m, m_new, qs, 2),
                     _put(total, total_old * correction + p.sum(axis=-1), qs, 2),
                     _put(o, o_rows, qs, 1),
                 )
-                return state, None
 
-            return jax.lax.scan(pair, state, pairs)[0], held
+            return jax.lax.fori_loop(0, width, pair, state), held
 
         start = (
             _filled((b, h, sq), -jnp.inf, q),
@@ -268,9 +275,12 @@ class _Kernel:
         scale = 1 / math.sqrt(q.shape[-1])
         delta = jnp.einsum("bqhd,bqhd->bhq", d_out.astype(jnp.float32), out.astype(jnp.float32))
 
-        def fold(dq, held, pairs, q_pos, k_pos):
-            def pair(carry, ij):
-                dq, (k, v, dk, dv) = carry
+        def fold(dq, held, pair_at, width, q_pos, k_pos):
+            k, v, dk_arrived, dv_arrived = held
+
+            def pair(i, carry):
+                dq, dk, dv = carry
+                ij = pair_at(i)
                 qs, ks = ij[0] * bl, ij[1] * bl
                 q_b, k_b, v_b = _rows(q, qs, bl, 1), _rows(k, ks, bl, 1), _rows(v, ks, bl, 1)
                 do_b = _rows(d_out, qs, bl, 1)
@@ -286,9 +296,13 @@ class _Kernel:
                 dq = _put(dq, _rows(dq, qs, bl, 1) + dq_b, qs, 1)
                 dk = _put(dk, _rows(dk, ks, bl, 1) + dk_b, ks, 1)
                 dv = _put(dv, _rows(dv, ks, bl, 1) + dv_b, ks, 1)
-                return (dq, (k, v, dk, dv)), None
+                return dq, dk, dv
 
-            return jax.lax.scan(pair, (dq, held), pairs)[0]
+            # this step's gradients start from zero, and the sums that arrived are added only
+            # at the end: the hop of the previous step's sums overlaps this step's compute
+            fresh = (_filled(k.shape, 0.0, k), _filled(v.shape, 0.0, v))
+            dq, dk, dv = jax.lax.fori_loop(0, width, pair, (dq, *fresh))
+            return dq, (k, v, dk_arrived + dk, dv_arrived + dv)
 
         zeros = [_filled(x.shape, 0.0, x) for x in (q, k, v)]
         dq, (_, _, dk, dv) = self.around(zeros[0], (k, v, *zeros[1:]), fold)
