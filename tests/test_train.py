@@ -136,3 +136,14 @@ def test_largest_difference_reads_keys_and_any_devices() -> None:
     b = {"w": jax.device_put(jax.numpy.ones(3) * 1.5, jax.devices()[1]), "key": jax.random.key(0)}
     assert largest_difference(a, b) == 0.5
     assert largest_difference(a, a) == 0.0
+
+
+def test_a_batch_of_another_shape_gets_its_own_program() -> None:
+    """One program per kind of batch (shapes, dtypes, shardings): a shorter batch compiles
+    its own step instead of being fed to the first one, and the first is reused after it."""
+    run = trainer(DP, devices=2)
+    shorter = Batches(BATCHES.tokens, batch_size=16, length=16)
+    first = run.compile(BATCHES(0, run.batch))
+    losses = run.train(shorter, 1)
+    assert run.compiled is not first and np.isfinite(losses).all()
+    assert run.train(BATCHES, 1) and run.compiled is first and len(run.programs) == 2

@@ -242,11 +242,16 @@ class Trainer:
     evaluate_ema: Callable[[nnx.State, Any], jax.Array]
     micro_batches: int = 1
     compiled: jax.stages.Compiled | None = None
+    """The step's program compiled last (`compile`)."""
     config: dict[str, Any] | None = None
     grads_fn: GradsFn = loss_and_grads
     compiler_options: dict[str, Any] | None = None
     activations: bool = True
     """Whether the rule set also places the model's activations (`layout.constrain`)."""
+    programs: dict[tuple[object, ...], jax.stages.Compiled] = dataclasses.field(
+        default_factory=dict, repr=False
+    )
+    """The step's programs, one per kind of batch (`batch_kind`)."""
 
     @classmethod
     def create(
@@ -415,17 +420,20 @@ class Trainer:
         return times
 
     def compile(self, batch: Any) -> jax.stages.Compiled:
-        """The step compiled for batches shaped like `batch`: once, for running and analysis.
+        """The step compiled for batches like `batch`: once per kind of batch (its arrays'
+        shapes, dtypes and shardings), for running and analysis.
 
         It is traced under `jax.set_mesh(mesh)`, so a model's own sharding constraints apply,
         and compiled with the trainer's `compiler_options`.
         """
-        if self.compiled is None:
+        kind = batch_kind(batch)
+        if kind not in self.programs:
             check_batch(batch, self.batch, self.micro_batches)
             rules = self.layout.rules if self.activations else None
             with jax.set_mesh(self.layout.mesh), activation_rules(rules, self.layout.mesh):
                 lowered = self.step.lower(self.state, batch)
-                self.compiled = lowered.compile(compiler_options=self.compiler_options)
+                self.programs[kind] = lowered.compile(compiler_options=self.compiler_options)
+        self.compiled = self.programs[kind]
         return self.compiled
 
     def step_count(self) -> int:
@@ -461,6 +469,15 @@ def two_at_a_time(calls: list[Callable[[], Any]]) -> list[Any]:
     in native threads, so one call's compilation overlaps the next one's Python tracing."""
     with ThreadPoolExecutor(2) as pool:
         return list(pool.map(lambda call: call(), calls))
+
+
+def batch_kind(batch: Any) -> tuple[object, ...]:
+    """What a compiled step fixes of a batch: each array's path, shape, dtype and sharding."""
+    return tuple(
+        (path, tuple(getattr(x, "shape", ())), str(getattr(x, "dtype", type(x).__name__)),
+         getattr(x, "sharding", None))
+        for path, x in flat(batch)
+    )  # fmt: skip
 
 
 def compile_all(jobs: list[tuple[Trainer, Any]]) -> list[jax.stages.Compiled]:
