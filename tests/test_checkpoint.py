@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import re
 from pathlib import Path
 
 import jax
@@ -27,10 +28,11 @@ from nnxscale.checkpoint import (
 from nnxscale.data import Batches, book_batches
 from nnxscale.init import abstract
 from nnxscale.layout import resolve
+from nnxscale.losses import next_token_loss
 from nnxscale.model import TINY, Config, Transformer, create
 from nnxscale.rules import DP, FSDP, TP, strategy_mesh
 from nnxscale.schedules import interleaved
-from nnxscale.train import Trainer, TrainState, adamw
+from nnxscale.train import FAST_COMPILE, Trainer, TrainOptions, TrainState, adamw
 
 BATCHES = book_batches(batch_size=16)
 
@@ -310,3 +312,37 @@ def test_a_pipeline_s_layer_order_travels_with_its_checkpoint(tmp_path: Path) ->
         checkpoints.restore(create(cfg), adamw(), rules, mesh, **options)
     with pytest.raises(CheckpointMismatchError, match="the model's own order"):
         checkpoints.restore_into(natural)
+
+
+def program_text(compiled: jax.stages.Compiled) -> str:
+    """The compiled program's instructions, without the source lines that traced them."""
+    text = re.sub(r", metadata=\{[^}]*\}", "", compiled.as_text())
+    return "\n".join(line for line in text.splitlines() if line.startswith(("%", "ENTRY", " ")))
+
+
+def test_a_restored_run_compiles_the_program_that_saved_it(tmp_path: Path) -> None:
+    """The options travel with the checkpoint: restored without them, the step is the saved
+    run's program, to the letter; a loss function of the run's own must be given again."""
+    mesh = strategy_mesh(FSDP, 4)
+    options = TrainOptions(dropout=False, micro_batches=2, activations=False,
+                           compiler_options=FAST_COMPILE)  # fmt: skip
+    trainer = Trainer.create(create(TINY), adamw(), FSDP, mesh, options)
+    batch = trainer.place_batch(BATCHES(0, trainer.batch))
+    saved = program_text(trainer.compile(batch))
+    with Checkpoints(tmp_path / "plain") as checkpoints:
+        checkpoints.save(trainer)
+        checkpoints.wait()
+        assert checkpoints.record().options["micro_batches"] == 2
+        resumed = checkpoints.restore(Transformer.from_config, adamw(), FSDP, mesh)
+    assert resumed.options == options
+    assert program_text(resumed.compile(batch)) == saved
+    own = Trainer.create(create(TINY), adamw(), FSDP, mesh, options, loss_fn=next_token_loss)
+    with Checkpoints(tmp_path / "own") as checkpoints:
+        checkpoints.save(own)
+        checkpoints.wait()
+        with pytest.raises(CheckpointMismatchError, match=r"its own loss_fn.*next_token_loss"):
+            checkpoints.restore(Transformer.from_config, adamw(), FSDP, mesh)
+        again = checkpoints.restore(
+            Transformer.from_config, adamw(), FSDP, mesh, loss_fn=next_token_loss
+        )
+    assert again.options == own.options

@@ -21,7 +21,7 @@ from nnxscale.memory import CompiledMemory
 from nnxscale.model import TINY, Config, count_params, create
 from nnxscale.planner import TOLERANCE
 from nnxscale.rules import STRATEGIES, strategy_mesh
-from nnxscale.train import FAST_COMPILE, Trainer, compile_all
+from nnxscale.train import FAST_COMPILE, Trainer, compile_all, trainer_for
 
 CORPUS = encode(arithmetic_text(4000))
 BATCHES = Batches(CORPUS, batch_size=8, length=32)
@@ -30,17 +30,15 @@ PLAIN = TINY.replace(dropout=0.0)
 
 
 def trainer(name: str, devices: int, cfg: Config = PLAIN, micro_batches: int = 1) -> Trainer:
-    rules = STRATEGIES[name]
-    mesh = strategy_mesh(rules, devices)
-    return Trainer.create(
-        create(cfg), optax.adam(1e-3), rules, mesh, dropout=False,
+    return trainer_for(
+        STRATEGIES[name], devices, cfg, tx=optax.adam(1e-3), dropout=False,
         micro_batches=micro_batches, compiler_options=FAST_COMPILE,
     )  # fmt: skip
 
 
 def setup_of(run: Trainer, cfg: Config = PLAIN) -> costs.Setup:
     return costs.Setup.of(
-        run.layout.rules, dict(run.layout.mesh.shape), run.micro_batches, cfg.remat
+        run.layout.rules, dict(run.layout.mesh.shape), run.options.micro_batches, cfg.remat
     )
 
 

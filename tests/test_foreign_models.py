@@ -227,7 +227,7 @@ def test_checkpoints_of_foreign_models_restore_on_another_mesh(tmp_path) -> None
             return Annotated(config["depth"], rngs=nnx.Rngs(0))
 
         back = checkpoints.restore(factory, nx.adamw(), TP, mesh, grads_fn=grads)
-        assert back.grads_fn is grads  # a custom gradient function survives the restore
+        assert back.options.grads_fn is grads  # a custom gradient function survives the restore
         assert back.config == {"depth": DEPTH}
         again = raw.restore(
             nx.abstract(make_mlp),

@@ -11,8 +11,15 @@ from flax import nnx
 from nnxscale.data import Batches, arithmetic_text, encode
 from nnxscale.memory import CompiledMemory, device_bytes
 from nnxscale.model import TINY, create
-from nnxscale.rules import DP, FSDP, FSDP_TP, TP, strategy_mesh
-from nnxscale.train import Trainer, loss_and_grads, params_by_path, two_at_a_time
+from nnxscale.rules import DP, FSDP, FSDP_TP, TP
+from nnxscale.train import (
+    Trainer,
+    TrainOptions,
+    loss_and_grads,
+    params_by_path,
+    trainer_for,
+    two_at_a_time,
+)
 from nnxscale.trees import largest_difference
 
 STEPS = 4
@@ -21,9 +28,7 @@ BATCHES = Batches(encode(arithmetic_text(2000)), batch_size=16, length=32)
 
 def trainer(rules, devices: int = 8, **options) -> Trainer:
     cfg = options.pop("cfg", TINY)
-    return Trainer.create(
-        create(cfg), optax.adam(3e-3), rules, strategy_mesh(rules, devices), **options
-    )
+    return trainer_for(rules, devices, cfg, tx=optax.adam(3e-3), **options)
 
 
 @pytest.fixture(scope="module")
@@ -147,3 +152,33 @@ def test_a_batch_of_another_shape_gets_its_own_program() -> None:
     losses = run.train(shorter, 1)
     assert run.compiled is not first and np.isfinite(losses).all()
     assert run.train(BATCHES, 1) and run.compiled is first and len(run.programs) == 2
+
+
+@pytest.mark.parametrize(
+    ("changes", "match"),
+    [
+        ({"micro_batches": 0}, "at least 1"),
+        ({"micro_batches": 2.5}, "whole number"),
+        ({"ema_decay": 1.0}, r"\[0, 1\)"),
+        ({"loss_fn": lambda *a: 0.0, "grads_fn": loss_and_grads}, "not both"),
+    ],
+)
+def test_options_refuse_what_cannot_train(changes, match) -> None:
+    with pytest.raises(ValueError, match=match):
+        TrainOptions(**changes)
+
+
+def test_an_unknown_option_names_the_known_ones() -> None:
+    with pytest.raises(TypeError, match=r"unknown training options \['micro_batch'\].*"):
+        trainer(DP, devices=1, micro_batch=2)
+
+
+def test_one_options_object_reaches_the_step() -> None:
+    """The options given to `create` are the trainer's, unchanged, and its programs use them:
+    with activations=False the model's activation constraints are not in the program."""
+    options = TrainOptions(dropout=False, micro_batches=2, activations=False)
+    run = trainer_for(FSDP, 2, options=options)
+    assert run.options is options
+    free = run.compile(BATCHES(0, run.batch)).as_text()
+    named = trainer_for(FSDP, 2, options=options.replace(activations=True))
+    assert named.compile(BATCHES(0, named.batch)).as_text() != free

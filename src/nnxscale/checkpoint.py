@@ -38,10 +38,9 @@ from nnxscale.display import table
 from nnxscale.environment import versions
 from nnxscale.init import abstract
 from nnxscale.layout import resolve
-from nnxscale.losses import GradsFn, LossFn
 from nnxscale.model import Config
 from nnxscale.rules import Rules
-from nnxscale.train import Trainer, TrainState
+from nnxscale.train import Trainer, TrainOptions, TrainState
 from nnxscale.trees import is_key, key_data, path_str, stand_in
 
 PARTIAL = ".orbax-checkpoint-tmp"
@@ -76,6 +75,8 @@ class Record:
     layer_order: list[int] | None = None
     """The order a pipeline stored the stacked layers in (`Transformer.stored_order`); None in
     the model's own order, and in checkpoints written before it was recorded."""
+    options: dict[str, Any] | None = None
+    """The run's training options (`TrainOptions.recorded`): restores train as it did."""
 
     @property
     def devices(self) -> int:
@@ -109,10 +110,16 @@ class Record:
                 if self.layer_order is None
                 else f"a pipeline's order {self.layer_order}",
             ],
+            ["training", _said(self.options) if self.options else "not recorded"],
             ["saved at", time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(self.saved_at))],
             ["written by", ", ".join(f"{k} {v}" for k, v in self.versions.items())],
         ]
         return str(table(["field", "value"], rows))
+
+
+def _said(options: dict[str, Any]) -> str:
+    """Recorded training options as `name value` pairs, leaving out those not set."""
+    return ", ".join(f"{k} {v}" for k, v in options.items() if v is not None)
 
 
 def stored_order(model: nnx.Module) -> list[int] | None:
@@ -156,6 +163,7 @@ def record_of(trainer: Trainer, data: Batches | None) -> Record:
         saved_at=time.time(),
         versions=installed,
         layer_order=stored_order(state.model),
+        options=trainer.options.recorded(),
     )
 
 
@@ -237,6 +245,43 @@ def check_data(record: Record, data: Batches) -> None:
             "resumed run would see different batches from the uninterrupted one. Resume with "
             "the same corpus, seed, batch size and length, or start a new run."
         )
+
+
+def restored_options(
+    record: Record, options: TrainOptions | None, changes: dict[str, Any]
+) -> TrainOptions:
+    """The options a restore trains with: `options` or the record's, with `changes`; refused
+    when the saved run had a loss or gradient function of its own that is not given again."""
+    if options is None:
+        recorded = record.options or {}
+        options = TrainOptions.from_record(recorded) if recorded else TrainOptions()
+        options = options.replace(ema_decay=record.ema_decay)
+        for name in ("loss_fn", "grads_fn"):
+            if recorded.get(name) and not ({"loss_fn", "grads_fn"} & set(changes)):
+                raise CheckpointMismatchError(
+                    f"the run that saved step {record.step} trained with its own {name} "
+                    f"({recorded[name]}), which a checkpoint cannot hold: pass it to restore "
+                    f"({name}=...) so the resumed run computes the same loss."
+                )
+    return options.replace(**changes)
+
+
+def state_to_restore(
+    record: Record,
+    model: nnx.Module | Callable[[dict[str, Any] | None], nnx.Module],
+    tx: optax.GradientTransformation,
+) -> TrainState:
+    """The train state a checkpoint restores into, from `model` (a module, of which only the
+    shapes count, or a function of the recorded configuration) and `tx`."""
+    if isinstance(model, nnx.Module):  # abstract arrays become stand-ins while tracing
+        graphdef, values = nnx.split(model)
+        structure = nnx.merge(graphdef, jax.tree.map(stand_in, values))
+    else:
+        structure = model(record.config)
+        if record.layer_order is not None:  # stored as the pipeline that saved it
+            structure.stored_order = tuple(record.layer_order)
+    check_layer_order(record, structure)
+    return TrainState(structure, tx, ema_decay=record.ema_decay)
 
 
 def restore_target(values: nnx.State, shardings: Any) -> nnx.State:
@@ -433,52 +478,32 @@ class Checkpoints:
         tx: optax.GradientTransformation,
         rules: Rules,
         mesh: Mesh,
+        options: TrainOptions | None = None,
         *,
         step: int | None = None,
         data: Batches | None = None,
-        micro_batches: int = 1,
-        dropout: bool = True,
-        loss_fn: LossFn | None = None,
-        grads_fn: GradsFn | None = None,
+        **changes: Any,
     ) -> Trainer:
         """A trainer resumed from the checkpoint of `step`, laid out by `rules` on `mesh`.
 
         `model` gives the model's structure: a module (concrete or abstract, only its shapes
         are used) or a function that builds one from the configuration the checkpoint
         recorded (`Transformer.from_config` for the book's). `tx` must have the structure of
-        the optimizer that saved it; the EMA decay comes from the record. `loss_fn` or
-        `grads_fn` are the training's own, as given to `Trainer.create`. With `data`, check
-        that it is the data the run was trained on, so training continues with the very next
-        batch. Every device reads only its shards, straight from the files.
+        the optimizer that saved it; the EMA decay comes from the record. The training
+        options are the saved run's (`Record.options`) unless `options` are given, with
+        `changes`; a `loss_fn` or `grads_fn` of the run's own must be given again (functions
+        are not recorded). With `data`, check that it is the data the run was trained on, so
+        training continues with the very next batch. Every device reads only its shards,
+        straight from the files.
         """
         record = self.record(step)
         if data is not None:
             check_data(record, data)
-
-        def create_state() -> TrainState:
-            if isinstance(model, nnx.Module):  # abstract arrays become stand-ins while tracing
-                graphdef, values = nnx.split(model)
-                structure = nnx.merge(graphdef, jax.tree.map(stand_in, values))
-            else:
-                structure = model(record.config)
-                if record.layer_order is not None:  # stored as the pipeline that saved it
-                    structure.stored_order = tuple(record.layer_order)
-            check_layer_order(record, structure)
-            return TrainState(structure, tx, ema_decay=record.ema_decay)
-
-        graphdef, values = nnx.split(abstract(create_state))
+        options = restored_options(record, options, changes)
+        graphdef, values = nnx.split(abstract(lambda: state_to_restore(record, model, tx)))
         layout = resolve(values, rules, mesh)
         state = self.restore_state(restore_target(values, layout.shardings()), record.step)
-        return Trainer.from_layout(
-            graphdef,
-            state,
-            layout,
-            micro_batches=micro_batches,
-            dropout=dropout,
-            loss_fn=loss_fn,
-            grads_fn=grads_fn,
-            config=record.config,
-        )
+        return Trainer.from_layout(graphdef, state, layout, options, config=record.config)
 
     def restore_into(
         self, trainer: Trainer, step: int | None = None, data: Batches | None = None

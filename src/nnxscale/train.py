@@ -13,7 +13,7 @@ import contextlib
 import dataclasses
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from typing import Any
@@ -29,7 +29,8 @@ from nnxscale.data import check_batch_splits
 from nnxscale.init import compile_init
 from nnxscale.layout import Layout, activation_rules, resolve
 from nnxscale.losses import GradsFn, LossFn, next_token_loss
-from nnxscale.rules import Rules
+from nnxscale.model import TINY, Config, create
+from nnxscale.rules import Rules, strategy_mesh
 from nnxscale.trees import flat, is_key, place
 
 
@@ -226,6 +227,69 @@ def model_config(model: nnx.Module) -> dict[str, Any] | None:
     return dataclasses.asdict(cfg) if dataclasses.is_dataclass(cfg) else None
 
 
+@dataclasses.dataclass(frozen=True)
+class TrainOptions:
+    """How a trainer trains, listed once: `Trainer.create`, `Trainer.from_layout` and
+    `Checkpoints.restore` take these unchanged, so a restored run compiles the saved run's step.
+
+    `loss_fn(model, batch, rngs)` is the loss (default: the book's next-token loss);
+    `grads_fn` replaces the whole loss-and-gradient computation (`nnxscale.fsdp`,
+    `nnxscale.pipeline`). `compiler_options` go to XLA when the step compiles;
+    `activations=False` leaves the model's activations to the compiler (no constraints).
+    """
+
+    loss_fn: LossFn | None = None
+    grads_fn: GradsFn | None = None
+    micro_batches: int = 1
+    dropout: bool = True
+    seed: int = 0
+    ema_decay: float = 0.9
+    compiler_options: Mapping[str, Any] | None = None
+    activations: bool = True
+
+    def __post_init__(self) -> None:
+        if self.loss_fn is not None and self.grads_fn is not None:
+            raise ValueError(
+                "pass loss_fn or grads_fn, not both: grads_fn computes the loss itself (wrap "
+                "your loss in it), loss_fn is differentiated by the library's loss_and_grads."
+            )
+        if not isinstance(self.micro_batches, int) or self.micro_batches < 1:
+            raise ValueError(
+                f"micro_batches={self.micro_batches!r}: the step cuts each batch into this "
+                "many slices, so it must be a whole number of at least 1."
+            )
+        if not 0 <= self.ema_decay < 1:
+            raise ValueError(
+                f"ema_decay={self.ema_decay!r}: the EMA keeps this share of itself each step, "
+                "so it must lie in [0, 1) (0.9 to 0.9999 are usual)."
+            )
+
+    def replace(self, **changes: Any) -> TrainOptions:
+        """These options with `changes`; an unknown name is refused with the known ones."""
+        known = {field.name for field in dataclasses.fields(self)}
+        unknown = sorted(set(changes) - known)
+        if unknown:
+            raise TypeError(f"unknown training options {unknown}: the options are {sorted(known)}")
+        return dataclasses.replace(self, **changes) if changes else self
+
+    def recorded(self) -> dict[str, Any]:
+        """What a checkpoint keeps of these options: the values, and the functions' names."""
+        record = {
+            name: getattr(self, name)
+            for name in ("micro_batches", "dropout", "activations", "compiler_options")
+        }
+        record["compiler_options"] = dict(self.compiler_options or {}) or None
+        for name in ("loss_fn", "grads_fn"):
+            fn = getattr(self, name)
+            record[name] = None if fn is None else getattr(fn, "__qualname__", type(fn).__name__)
+        return record
+
+    @classmethod
+    def from_record(cls, record: dict[str, Any]) -> TrainOptions:
+        """The options a checkpoint recorded, without the functions (they are not recorded)."""
+        return cls(**{k: v for k, v in record.items() if k not in ("loss_fn", "grads_fn")})
+
+
 @dataclasses.dataclass
 class Trainer:
     """A train state laid out by a rule set on a mesh, with its compiled steps.
@@ -237,17 +301,13 @@ class Trainer:
     graphdef: nnx.GraphDef
     state: nnx.State
     layout: Layout
+    options: TrainOptions
     step: Callable[[nnx.State, Any], tuple[nnx.State, jax.Array]]
     evaluate: Callable[[nnx.State, Any], jax.Array]
     evaluate_ema: Callable[[nnx.State, Any], jax.Array]
-    micro_batches: int = 1
+    config: dict[str, Any] | None = None
     compiled: jax.stages.Compiled | None = None
     """The step's program compiled last (`compile`)."""
-    config: dict[str, Any] | None = None
-    grads_fn: GradsFn = loss_and_grads
-    compiler_options: dict[str, Any] | None = None
-    activations: bool = True
-    """Whether the rule set also places the model's activations (`layout.constrain`)."""
     programs: dict[tuple[object, ...], jax.stages.Compiled] = dataclasses.field(
         default_factory=dict, repr=False
     )
@@ -260,36 +320,19 @@ class Trainer:
         tx: optax.GradientTransformation,
         rules: Rules,
         mesh: Mesh,
+        options: TrainOptions | None = None,
         *,
-        loss_fn: LossFn | None = None,
-        grads_fn: GradsFn | None = None,
-        micro_batches: int = 1,
-        dropout: bool = True,
-        seed: int = 0,
-        ema_decay: float = 0.9,
         config: dict[str, Any] | None = None,
-        compiler_options: dict[str, Any] | None = None,
-        activations: bool = True,
+        **changes: Any,
     ) -> Trainer:
         """A trainer for `model` (an NNX module, or a function that creates one) with `tx`,
-        laid out by `rules` on `mesh`.
+        laid out by `rules` on `mesh`, training as `options` with `changes` say.
 
         Given a module, the train state is built beside it and copied into its layout; given a
         function, every array is created straight into its shards (`nnxscale.init`).
-        `loss_fn(model, batch, rngs)` is the loss (default: the book's next-token loss);
-        `grads_fn` replaces the whole loss-and-gradient computation (`nnxscale.fsdp`,
-        `nnxscale.pipeline`). `config` is recorded in checkpoints (default: `model.cfg`).
-        `compiler_options` go to XLA when the step compiles (`Trainer.compile`);
-        `activations=False` leaves the model's activations to the compiler (no constraints).
+        `config` is recorded in checkpoints (default: `model.cfg`).
         """
-        options = {
-            "compiler_options": compiler_options,
-            "activations": activations,
-            "micro_batches": micro_batches,
-            "dropout": dropout,
-            "grads_fn": grads_fn,
-            "loss_fn": loss_fn,
-        }
+        options = (options or TrainOptions()).replace(**changes)
         if not callable(model):
             check_model(model)
         if isinstance(model, nnx.Module):
@@ -297,19 +340,19 @@ class Trainer:
             # otherwise would recompile every eager operation of the state's creation
             context = jax.set_mesh(mesh) if _placed(model) else contextlib.nullcontext()
             with context:
-                state = TrainState(model, tx, seed=seed, ema_decay=ema_decay)
+                state = TrainState(model, tx, seed=options.seed, ema_decay=options.ema_decay)
             graphdef, values = nnx.split(state)
             layout = resolve(values, rules, mesh)
         else:
             factory = model
 
             def create_state() -> TrainState:
-                return TrainState(factory(), tx, seed=seed, ema_decay=ema_decay)
+                return TrainState(factory(), tx, seed=options.seed, ema_decay=options.ema_decay)
 
             compiled, graphdef, layout = compile_init(create_state, rules, mesh)
             values = compiled()
         config = config if config is not None else model_config(nnx.merge(graphdef, values).model)
-        return cls.from_layout(graphdef, values, layout, config=config, **options)
+        return cls.from_layout(graphdef, values, layout, options, config=config)
 
     @classmethod
     def from_layout(
@@ -317,70 +360,44 @@ class Trainer:
         graphdef: nnx.GraphDef,
         values: nnx.State,
         layout: Layout,
+        options: TrainOptions | None = None,
         *,
-        loss_fn: LossFn | None = None,
-        grads_fn: GradsFn | None = None,
-        micro_batches: int = 1,
-        dropout: bool = True,
         config: dict[str, Any] | None = None,
-        compiler_options: dict[str, Any] | None = None,
-        activations: bool = True,
     ) -> Trainer:
         """A trainer for a split train state already resolved into `layout` (placed there if
         it is not), with its step and evaluations jitted on the layout's shardings."""
-        if loss_fn is not None and grads_fn is not None:
-            raise ValueError(
-                "pass loss_fn or grads_fn, not both: grads_fn computes the loss itself (wrap "
-                "your loss in it), loss_fn is differentiated by the library's loss_and_grads."
-            )
-        loss_fn = loss_fn or next_token_loss
-        grad_shardings = gradient_shardings(graphdef, values, layout)
-        if grads_fn is not None and grad_shardings is not None:
-            raise ValueError(
-                f"rule set {layout.rules.name!r} places the gradients apart from the "
-                "parameters, which the library's loss_and_grads does and a custom grads_fn "
-                "cannot: pass loss_fn instead, or use a rule set that splits gradients as it "
-                "splits parameters (FSDP)."
-            )
-        grads_fn = grads_fn or partial(
-            loss_and_grads, loss_fn=loss_fn, grad_shardings=grad_shardings
-        )
+        options = options or TrainOptions()
         _check_config(config)
         shardings, batch = layout.shardings(), layout.batch
         scalar = NamedSharding(layout.mesh, P())
-        options = {"micro_batches": micro_batches, "dropout": dropout, "grads_fn": grads_fn}
         step = jax.jit(
-            partial(train_step, graphdef, **options),
+            partial(
+                train_step,
+                graphdef,
+                micro_batches=options.micro_batches,
+                dropout=options.dropout,
+                grads_fn=step_grads_fn(options, graphdef, values, layout),
+            ),
             in_shardings=(shardings, batch),
             out_shardings=(shardings, scalar),
             donate_argnums=0,
         )
-        evaluate = {
-            ema: _under_mesh(
+        rules = layout.rules if options.activations else None
+        loss_fn = options.loss_fn or next_token_loss
+        evaluate = [
+            _under_mesh(
                 jax.jit(
                     partial(eval_loss, graphdef, ema=ema, loss_fn=loss_fn),
                     in_shardings=(shardings, batch),
                     out_shardings=scalar,
                 ),
                 layout.mesh,
-                layout.rules if activations else None,
+                rules,
             )
             for ema in (False, True)
-        }
+        ]
         placed = place(values, shardings)
-        return cls(
-            graphdef,
-            placed,
-            layout,
-            step,
-            evaluate[False],
-            evaluate[True],
-            micro_batches,
-            config=config,
-            grads_fn=grads_fn,
-            compiler_options=compiler_options,
-            activations=activations,
-        )
+        return cls(graphdef, placed, layout, options, step, *evaluate, config=config)
 
     @property
     def batch(self) -> NamedSharding:
@@ -402,7 +419,7 @@ class Trainer:
 
     def place_batch(self, batch: Any) -> Any:
         """`batch` with every array on `self.batch` (arrays already there are not copied)."""
-        check_batch(batch, self.batch, self.micro_batches)
+        check_batch(batch, self.batch, self.options.micro_batches)
         return place(batch, jax.tree.map(lambda _: self.batch, batch))
 
     def time_steps(
@@ -424,15 +441,16 @@ class Trainer:
         shapes, dtypes and shardings), for running and analysis.
 
         It is traced under `jax.set_mesh(mesh)`, so a model's own sharding constraints apply,
-        and compiled with the trainer's `compiler_options`.
+        and compiled with the options' `compiler_options`.
         """
         kind = batch_kind(batch)
         if kind not in self.programs:
-            check_batch(batch, self.batch, self.micro_batches)
-            rules = self.layout.rules if self.activations else None
+            check_batch(batch, self.batch, self.options.micro_batches)
+            rules = self.layout.rules if self.options.activations else None
             with jax.set_mesh(self.layout.mesh), activation_rules(rules, self.layout.mesh):
                 lowered = self.step.lower(self.state, batch)
-                self.programs[kind] = lowered.compile(compiler_options=self.compiler_options)
+                compiler_options = dict(self.options.compiler_options or {}) or None
+                self.programs[kind] = lowered.compile(compiler_options=compiler_options)
         self.compiled = self.programs[kind]
         return self.compiled
 
@@ -443,6 +461,43 @@ class Trainer:
     def model(self) -> nnx.Module:
         """The model, with its current (sharded) weights."""
         return nnx.merge(self.graphdef, self.state).model
+
+
+def trainer_for(
+    rules: Rules,
+    devices: int | None = None,
+    model: Config | nnx.Module | Callable[[], nnx.Module] = TINY,
+    *,
+    mesh: Mesh | None = None,
+    tx: optax.GradientTransformation | None = None,
+    options: TrainOptions | None = None,
+    **changes: Any,
+) -> Trainer:
+    """A trainer for `model` under `rules` on `devices` devices (`strategy_mesh`), or on
+    `mesh`: the book's Transformer for a `Config` (default `TINY`), or any module or function
+    that creates one; trained with `tx` (default `adamw()`) as `options` with `changes` say."""
+    mesh = mesh if mesh is not None else strategy_mesh(rules, devices)
+    model = create(model) if isinstance(model, Config) else model
+    return Trainer.create(model, tx or adamw(), rules, mesh, options, **changes)
+
+
+def step_grads_fn(
+    options: TrainOptions, graphdef: nnx.GraphDef, values: nnx.State, layout: Layout
+) -> GradsFn:
+    """The step's loss-and-gradient function: the options' `grads_fn`, or the library's
+    `loss_and_grads` of their `loss_fn` with the gradients where the rule set puts them."""
+    grad_shardings = gradient_shardings(graphdef, values, layout)
+    if options.grads_fn is None:
+        loss_fn = options.loss_fn or next_token_loss
+        return partial(loss_and_grads, loss_fn=loss_fn, grad_shardings=grad_shardings)
+    if grad_shardings is not None:
+        raise ValueError(
+            f"rule set {layout.rules.name!r} places the gradients apart from the "
+            "parameters, which the library's loss_and_grads does and a custom grads_fn "
+            "cannot: pass loss_fn instead, or use a rule set that splits gradients as it "
+            "splits parameters (FSDP)."
+        )
+    return options.grads_fn
 
 
 def _placed(model: nnx.Module) -> bool:
