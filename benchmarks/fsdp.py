@@ -57,7 +57,7 @@ def main() -> None:
     rows = []
     for name, (rules, options) in runs.items():
         trainer = Trainer.create(create(MODEL), adamw(), rules, mesh, dropout=False, **options)
-        compiled = trainer.compile(batches(0, trainer.batch))
+        compiled = trainer.compile(trainer.batch(batches))
         trainer.train(batches, 2)  # warm-up
         times = trainer.time_steps(batches, args.steps, first=100)
         report = collectives(compiled)

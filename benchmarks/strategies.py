@@ -45,7 +45,7 @@ def worker(steps: int) -> None:
         mesh = strategy_mesh(rules)
         trainer = Trainer.create(create(MODEL), optax.adamw(1e-3), rules, mesh)
         start = time.perf_counter()
-        compiled = trainer.compile(batches(0, trainer.batch))
+        compiled = trainer.compile(trainer.batch(batches))
         compile_s = time.perf_counter() - start
         trainer.train(batches, 2)  # warm-up
         times = trainer.time_steps(batches, steps, first=100)

@@ -327,7 +327,7 @@ def test_a_restored_run_compiles_the_program_that_saved_it(tmp_path: Path) -> No
     options = TrainOptions(dropout=False, micro_batches=2, activations=False,
                            compiler_options=FAST_COMPILE)  # fmt: skip
     trainer = Trainer.create(create(TINY), adamw(), FSDP, mesh, options)
-    batch = trainer.place_batch(BATCHES(0, trainer.batch))
+    batch = trainer.place_batch(trainer.batch(BATCHES))
     saved = program_text(trainer.compile(batch))
     with Checkpoints(tmp_path / "plain") as checkpoints:
         checkpoints.save(trainer)

@@ -258,7 +258,7 @@ def test_the_transformer_trains_with_context_parallelism_as_on_one_device(rules)
 def test_the_step_passes_keys_and_values_around_the_ring_and_nothing_else_large() -> None:
     trainer = cp_trainer(nx.CP)
     n, cfg = trainer.layout.mesh.shape["context"], trainer.model().cfg
-    batch = nx.book_batches(8)(0, trainer.batch)
+    batch = trainer.batch(nx.book_batches(8))
     report = collectives(trainer.compile(batch))
     block = 8 * (cfg.max_len // n) * cfg.heads * cfg.head_dim * 4
     permutes = [c for c in report.collectives if c.kind == "collective-permute"]
@@ -275,15 +275,15 @@ def test_the_step_passes_keys_and_values_around_the_ring_and_nothing_else_large(
 def test_a_sequence_the_context_axis_cannot_split_is_named() -> None:
     trainer = cp_trainer(nx.CP, cfg=nx.TINY.replace(dropout=0.0, max_len=40))
     batches = nx.Batches(np.arange(2000) % 100, batch_size=8, length=20)
-    with pytest.raises(nx.ContextError, match="20 tokens cannot be cut into 16 equal"):
-        trainer.compile(batches(0, trainer.batch))
+    with pytest.raises(nx.context.ContextError, match="20 tokens cannot be cut into 16 equal"):
+        trainer.compile(trainer.batch(batches))
 
 
 def test_activation_constraints_apply_only_under_rules_and_outside_shard_map() -> None:
     mesh = nx.strategy_mesh(nx.CP)
     x = jnp.ones((2, 16, 8))
     assert layout.constrain(x, ("batch", "length", "embed")) is x
-    with nx.activation_rules(nx.CP, mesh):
+    with nx.layout.activation_rules(nx.CP, mesh):
         spec, _ = layout.activation_spec(x.shape, ("batch", "length", "unknown"))
         assert spec == P("data", "context", None)
         assert layout.activation_axis("length") == ("context", 8)
@@ -294,16 +294,16 @@ def test_activation_constraints_apply_only_under_rules_and_outside_shard_map() -
             return x
 
         jax.shard_map(body, mesh=mesh, in_specs=P(), out_specs=P())(x)
-        with nx.activation_rules(None):
+        with nx.layout.activation_rules(None):
             assert layout.constrain(x, ("batch", "length", "embed")) is x
 
 
 def test_a_table_read_beside_the_batch_stays_off_the_batch_axes() -> None:
     table, beside = (128, 64), ((16, "batch"),)
-    with nx.activation_rules(nx.FSDP, nx.strategy_mesh(nx.FSDP)):
+    with nx.layout.activation_rules(nx.FSDP, nx.strategy_mesh(nx.FSDP)):
         assert layout.activation_spec(table, ("vocab", None))[0] == P("data", None)
         assert layout.activation_spec(table, ("vocab", None), beside)[0] == P(None, None)
-    with nx.activation_rules(nx.FSDP_TP, nx.strategy_mesh(nx.FSDP_TP)):
+    with nx.layout.activation_rules(nx.FSDP_TP, nx.strategy_mesh(nx.FSDP_TP)):
         assert layout.activation_spec(table, ("vocab", None), beside)[0] == P("model", None)
 
 
@@ -312,7 +312,7 @@ def test_fsdp_tp_is_tp_plus_one_gather_per_weight_use() -> None:
     shards over `data`, nothing else (no array of the whole batch, no all-to-all)."""
     batches = nx.book_batches(16)
     tp, both = cp_trainer(nx.TP), cp_trainer(nx.FSDP_TP)
-    programs = nx.train.compile_all([(t, batches(0, t.batch)) for t in (tp, both)])
+    programs = nx.train.compile_all([(t, t.batch(batches)) for t in (tp, both)])
     mesh = both.layout.mesh
     assert dict(mesh.shape) == {"data": 4, "model": 2}
     reports = [collectives(p) for p in programs]
@@ -328,7 +328,7 @@ def test_fsdp_tp_is_tp_plus_one_gather_per_weight_use() -> None:
 def test_sequence_parallelism_gathers_the_residual_stream_and_trains_as_tp() -> None:
     batches = nx.book_batches(8)
     tp, sp = cp_trainer(nx.TP), cp_trainer(nx.SP)
-    tp_step, sp_step = nx.train.compile_all([(t, batches(0, t.batch)) for t in (tp, sp)])
+    tp_step, sp_step = nx.train.compile_all([(t, t.batch(batches)) for t in (tp, sp)])
     mesh, cfg = sp.layout.mesh, sp.model().cfg
     stream = f"f32[{8 // mesh.shape['data']},32,{cfg.embed}]"
     gathered = [
@@ -374,7 +374,7 @@ def test_activations_left_to_the_compiler_give_fsdp_tp_another_program() -> None
         activations=False,
     )
     named = cp_trainer(nx.FSDP_TP)
-    sent = [collectives(t.compile(batches(0, t.batch))).bytes() for t in (free, named)]
+    sent = [collectives(t.compile(t.batch(batches))).bytes() for t in (free, named)]
     assert sent[0] > 2 * sent[1]
     assert not free.activations and named.activations
 
@@ -382,7 +382,7 @@ def test_activations_left_to_the_compiler_give_fsdp_tp_another_program() -> None
 def test_evaluation_runs_under_the_same_rules() -> None:
     batches = nx.book_batches(8)
     single, cp = cp_trainer(nx.DP, 1), cp_trainer(nx.CP)
-    batch = batches(0, cp.batch)
+    batch = cp.batch(batches)
     assert (
         abs(float(cp.evaluate(cp.state, batch)) - float(single.evaluate(single.state, batch)))
         < 1e-5

@@ -55,7 +55,7 @@ def test_fast_compile_changes_only_a_few_hundred_bytes_of_temporaries(name: str)
             create(TINY), optax.adam(1e-3), rules, strategy_mesh(rules, 4),
             compiler_options=options,
         )  # fmt: skip
-        programs.append(run.compile(BATCHES(0, run.batch)))
+        programs.append(run.compile(run.batch(BATCHES)))
     slow, fast = (CompiledMemory.of(p) for p in programs)
     assert (slow.argument, slow.output, slow.alias) == (fast.argument, fast.output, fast.alias)
     assert 0 <= fast.temp - slow.temp <= 1024
@@ -125,7 +125,7 @@ def test_matmul_flops_equal_the_compiled_dots() -> None:
         PLAIN.replace(scan_layers=True, remat="dots"),
     )
     runs = [trainer("DP", 1, cfg) for cfg in configs]
-    programs = compile_all([(run, BATCHES(0, run.batch)) for run in runs])
+    programs = compile_all([(run, run.batch(BATCHES)) for run in runs])
     for cfg, program in zip(configs, programs, strict=True):
         assert dot_flops(program) == costs.step_flops(cfg, 8, 32, remat=cfg.remat)
         assert costs.step_cost(
@@ -140,7 +140,7 @@ def test_the_rings_flops_equal_the_compiled_dots(name: str, remat) -> None:
     products backward, exactly as compiled."""
     cfg = PLAIN.replace(scan_layers=bool(remat), remat=remat)
     run = trainer(name, 8, cfg)
-    program = run.compile(Batches(CORPUS, 16, 32)(0, run.batch))
+    program = run.compile(run.batch(Batches(CORPUS, 16, 32)))
     setup = costs.Setup.of(STRATEGIES[name], dict(run.layout.mesh.shape), 1, remat)
     assert costs.step_cost(cfg, setup, H100, 16, 32).flops == dot_flops(program)
 
@@ -149,7 +149,7 @@ def test_dp_and_zero_bytes_against_the_compiled_steps() -> None:
     full = costs.counts(TINY).total * costs.STATE_BYTES
     for name in ("DP", "ZeRO-2"):
         run = trainer(name, 4)
-        report = collectives(run.compile(BATCHES(0, run.batch)))
+        report = collectives(run.compile(run.batch(BATCHES)))
         derived = costs.step_cost(PLAIN, setup_of(run), H100, 8, 32).collectives
         if name == "DP":
             (reduce,) = derived
@@ -168,7 +168,7 @@ def test_fsdp_gathers_the_compute_dtype_copy() -> None:
     for dtype in ("float32", "bfloat16"):
         cfg = PLAIN.replace(compute_dtype=dtype)
         run = trainer("FSDP", 8, cfg)
-        report = collectives(run.compile(BATCHES(0, run.batch)))
+        report = collectives(run.compile(run.batch(BATCHES)))
         setup = setup_of(run, cfg)
         derived = costs.step_cost(cfg, setup, H100, 8, 32).collectives
         (gathers,) = [c for c in derived if c.transfer.kind == "all-gather"]
@@ -189,7 +189,7 @@ def test_zero1_compiles_to_zero2s_program() -> None:
     for micro in (1, 2):
         for name in ("DP", "ZeRO-1", "ZeRO-2"):
             run = trainer(name, 4, micro_batches=micro)
-            program = run.compile(BATCHES(0, run.batch))
+            program = run.compile(run.batch(BATCHES))
             found[name, micro] = (CompiledMemory.of(program), collectives(program).summary())
             # the loop over the micro-batches: its trip count is theirs
             carried = [
@@ -227,7 +227,7 @@ CASES = [
 @pytest.mark.parametrize("rows", [16, 64])
 def test_the_peak_lies_within_the_tolerance_of_the_compiled_step(name, cfg, micro, rows) -> None:
     run = trainer(name, 8, cfg, micro)
-    program = run.compile(Batches(CORPUS, rows, 32)(0, run.batch))
+    program = run.compile(run.batch(Batches(CORPUS, rows, 32)))
     predicted = costs.step_cost(cfg, setup_of(run, cfg), H100, rows, 32).peak
     low, high = TOLERANCE
     assert low <= compiled_peak(program) / predicted <= high
@@ -240,7 +240,7 @@ def test_the_rings_hops_equal_the_compiled_steps(name: str, cfg: Config) -> None
     """K and V: N-1 hops forward (twice with remat), N-2 more backward; dK and dV: N hops in
     float32. Float32 only: the CPU sends a bfloat16 block as float32."""
     run = trainer(name, 8, cfg)
-    program = run.compile(Batches(CORPUS, 16, 32)(0, run.batch))
+    program = run.compile(run.batch(Batches(CORPUS, 16, 32)))
     sent = sum(
         c.sent_bytes
         for c in collectives(program).collectives
@@ -263,7 +263,7 @@ def test_the_pipelines_peak_and_hand_overs_against_the_compiled_executor(stages,
         grads_fn=pipeline.grads_fn(schedule, mesh), compiler_options=FAST_COMPILE,
     )  # fmt: skip
     rows = 2 * m * max(fsdp, 1)
-    program = run.compile(Batches(CORPUS, rows, 32)(0, run.batch))
+    program = run.compile(run.batch(Batches(CORPUS, rows, 32)))
     cost = costs.step_cost(cfg, costs.Setup.of(rules, dict(mesh.shape), m), H100, rows, 32)
     low, high = TOLERANCE
     assert low <= compiled_peak(program) / cost.peak <= high
@@ -281,7 +281,7 @@ def test_bfloat16_on_the_cpu_lies_between_the_bfloat16_and_float32_ledgers() -> 
     the tolerance of the float32 one."""
     cfg = PLAIN.replace(scan_layers=True, compute_dtype="bfloat16")
     run = trainer("FSDP", 8, cfg)
-    got = compiled_peak(run.compile(Batches(CORPUS, 64, 32)(0, run.batch)))
+    got = compiled_peak(run.compile(run.batch(Batches(CORPUS, 64, 32))))
     setup = setup_of(run, cfg)
     narrow = costs.step_cost(cfg, setup, H100, 64, 32).peak
     wide = costs.step_cost(cfg.replace(compute_dtype="float32"), setup, H100, 64, 32).peak
@@ -294,7 +294,7 @@ def test_the_state_at_rest_and_the_textbook_activations_fail_the_tolerance() -> 
     textbook's activations where attention's scores matter (128-token sequences)."""
     cfg = PLAIN.replace(max_len=128, scan_layers=True)
     run = trainer("DP", 8, cfg)
-    got = compiled_peak(run.compile(Batches(CORPUS, 64, 128)(0, run.batch)))
+    got = compiled_peak(run.compile(run.batch(Batches(CORPUS, 64, 128))))
     cost = costs.step_cost(cfg, setup_of(run, cfg), H100, 64, 128)
     textbook = cost.state + 4 * costs.counts(cfg).total + costs.activation_bytes(cfg, 8, 128)
     low, high = TOLERANCE
@@ -417,7 +417,7 @@ def test_activations_split_along_the_sequence() -> None:
 
 def test_hsdp_sends_only_a_shard_across_replicas() -> None:
     run = trainer("HSDP", 8)
-    report = collectives(run.compile(BATCHES(0, run.batch)))
+    report = collectives(run.compile(run.batch(BATCHES)))
     groups = report.by_axes(run.layout.mesh)
     across = groups[("all-reduce", ("replica",))]
     inside = groups[("all-reduce", ("data",))]
@@ -442,8 +442,7 @@ def test_remat_without_a_scan_saves_nothing_on_the_cpu() -> None:
     ):
         runs = [(trainer("DP", 1, cfg), Batches(CORPUS, rows, 32)) for rows in (8, 16)]
         small, large = (
-            CompiledMemory.of(p).temp
-            for p in compile_all([(run, b(0, run.batch)) for run, b in runs])
+            CompiledMemory.of(p).temp for p in compile_all([(run, run.batch(b)) for run, b in runs])
         )
         growth[label] = (large - small) / 8
     if jax.default_backend() == "cpu":
@@ -458,7 +457,7 @@ def test_compiled_activations_lie_between_the_textbook_and_the_ledger(remat) -> 
     cfg = PLAIN.replace(scan_layers=bool(remat), remat=remat)
     runs = [(trainer("DP", 1, cfg), Batches(CORPUS, rows, 32)) for rows in (8, 16)]
     small, large = (
-        CompiledMemory.of(p).temp for p in compile_all([(r, b(0, r.batch)) for r, b in runs])
+        CompiledMemory.of(p).temp for p in compile_all([(r, r.batch(b)) for r, b in runs])
     )
     k = activations.kept("float32", remat)
     one = costs.sizes_of(cfg, costs.Setup.of(STRATEGIES["DP"], {"data": 1}), 1, 32)
@@ -479,7 +478,7 @@ MIXTURE_CASES = [
 def mixtures() -> list[tuple[str, Config, Trainer, jax.stages.Compiled]]:
     runs = [(name, cfg, trainer(name, n, cfg, micro)) for name, cfg, n, micro in MIXTURE_CASES]
     batches = Batches(CORPUS, 64, 32)
-    programs = compile_all([(run, batches(0, run.batch)) for _, _, run in runs])
+    programs = compile_all([(run, run.batch(batches)) for _, _, run in runs])
     return [(*run, program) for run, program in zip(runs, programs, strict=True)]
 
 
@@ -513,7 +512,7 @@ def test_a_mixtures_unscanned_layers_keep_less_than_the_ledger() -> None:
     compiled peak lies below the scanned model's ledger (the planner's), on the safe side."""
     cfg = MIXTURE.replace(scan_layers=False)
     run = trainer("EP", 8, cfg)
-    got = compiled_peak(run.compile(Batches(CORPUS, 64, 32)(0, run.batch)))
+    got = compiled_peak(run.compile(run.batch(Batches(CORPUS, 64, 32))))
     assert got < costs.step_cost(cfg, setup_of(run, cfg), H100, 64, 32).peak
 
 

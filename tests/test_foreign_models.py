@@ -4,8 +4,6 @@ axis names (as the Flax guide annotates), a raw pytree of arrays, and malformed 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import warnings
 
 import jax
@@ -75,24 +73,12 @@ def apply_mlp(params: dict, x: jax.Array) -> jax.Array:
     return x @ last["w"] + last["b"]
 
 
-def mlp_loss(model: nx.Params, batch: dict, rngs: nnx.Rngs | None) -> jax.Array:
+def mlp_loss(model: nx.params.Params, batch: dict, rngs: nnx.Rngs | None) -> jax.Array:
     return jnp.mean((apply_mlp(model.arrays(), batch["x"]) - batch["y"]) ** 2)
 
 
-def make_mlp() -> nx.Params:
-    return nx.Params(init_mlp(jax.random.key(0)))
-
-
-def test_import_starts_no_jax_and_every_public_name_resolves() -> None:
-    code = "import sys, nnxscale as nx; print('jax' in sys.modules, len(nx.__all__))"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.split() == ["False", str(len(nx.__all__))]
-    assert len(nx.__all__) >= 25
-    for name in nx.__all__:
-        assert getattr(nx, name) is not None, name
-    assert nx.fsdp.__name__ == "nnxscale.fsdp" and nx.show.__name__ == "nnxscale.display"
-    with pytest.raises(AttributeError, match="no attribute 'nope'"):
-        _ = nx.nope
+def make_mlp() -> nx.params.Params:
+    return nx.params.Params(init_mlp(jax.random.key(0)))
 
 
 def test_mesh_axis_rules_follow_the_annotations() -> None:
@@ -106,7 +92,7 @@ def test_mesh_axis_rules_follow_the_annotations() -> None:
 def test_annotations_use_ignore_and_fill() -> None:
     mesh = nx.strategy_mesh(BOTH)
     tree = nnx.state(nx.abstract(make_annotated))
-    with pytest.raises(nx.RuleError, match="mesh_axis_rules"):
+    with pytest.raises(nx.rules.RuleError, match="mesh_axis_rules"):
         nx.resolve(tree, nx.auto_fsdp("data"), mesh)  # 'model' has no rule, and says the fix
     ignored = nx.resolve(tree, nx.auto_fsdp("data", annotations="ignore", logical=TP), mesh)
     assert ignored["w2"].spec == P("data", None)  # the largest dimension, annotations unused
@@ -124,10 +110,10 @@ def test_strict_is_honoured_by_the_automatic_axis() -> None:
     odd = {"w": jnp.zeros((3, 5)), "step": jnp.zeros(())}
     layout = nx.resolve(odd, nx.auto_fsdp("data"), mesh)
     assert [p.path for p in layout.replicated()] == ["w", "step"]
-    with pytest.raises(nx.RuleError, match=r"w: no whole dimension of shape \(3, 5\)"):
+    with pytest.raises(nx.rules.RuleError, match=r"w: no whole dimension of shape \(3, 5\)"):
         nx.resolve(odd, nx.auto_fsdp("data", strict=True), mesh)
     nx.resolve({"step": jnp.zeros(())}, nx.auto_fsdp("data", strict=True), mesh)  # scalars pass
-    with pytest.raises(nx.RuleError, match=r"no logical names.*strict"):
+    with pytest.raises(nx.rules.RuleError, match=r"no logical names.*strict"):
         nx.resolve(
             {"w": jnp.zeros((8, 8))}, nx.FSDP.replace(strict=True), nx.strategy_mesh(nx.FSDP)
         )
@@ -137,7 +123,7 @@ def test_a_large_array_left_whole_is_warned_about() -> None:
     mesh = nx.make_mesh((8,), ("data",))
     big = {"w": jax.ShapeDtypeStruct((1001, 1001), jnp.float32), "b": jnp.zeros(5)}
     with pytest.warns(
-        nx.ReplicationWarning, match=r"1 arrays of 4,008,004 bytes.*w \(1001, 1001\)"
+        nx.layout.ReplicationWarning, match=r"1 arrays of 4,008,004 bytes.*w \(1001, 1001\)"
     ):
         layout = nx.resolve(big, nx.auto_fsdp("data"), mesh)
     assert [p.path for p in layout.replicated(min_bytes=1 << 20)] == ["w"]
@@ -145,7 +131,7 @@ def test_a_large_array_left_whole_is_warned_about() -> None:
         warnings.simplefilter("error")
         nx.resolve(big, nx.DP, nx.strategy_mesh(nx.DP))  # replication DP asks for: no warning
         nx.resolve(big, nx.auto_fsdp("data"), mesh, warn_bytes=1 << 23)
-    with pytest.warns(nx.ReplicationWarning, match="no logical names"):
+    with pytest.warns(nx.layout.ReplicationWarning, match="no logical names"):
         unnamed = nx.resolve({"w": jnp.zeros((512, 512))}, nx.FSDP, nx.strategy_mesh(nx.FSDP))
     assert unnamed["w"].fallback  # FSDP meant to split it; it has no names and no auto axis
 
@@ -158,7 +144,7 @@ def test_init_sharded_and_shard_take_raw_pytrees() -> None:
     assert layout["layers/0/b"].spec == P("data")
     host = init_mlp(jax.random.key(1))
     placed, again = nx.shard(host, rules, mesh)
-    assert nx.largest_difference(placed, host) == 0.0
+    assert nx.trees.largest_difference(placed, host) == 0.0
     assert [p.spec for p in again.placements] == [p.spec for p in layout.placements]
     with jax.set_mesh(nx.strategy_mesh(TP)):  # Flax places annotated weights as it creates them
         module = make_annotated()
@@ -183,7 +169,7 @@ def test_foreign_models_train_like_one_device(make, rules, loss_fn) -> None:
     ulp = float(np.spacing(np.float32(losses[1][0])))
     assert max(abs(a - b) for a, b in zip(losses[8], losses[1], strict=True)) <= 16 * ulp
     params = [nnx.state(t.model(), nnx.Param) for t in runs.values()]
-    assert nx.largest_difference(*params) <= nx.LEARNING_RATE / 50
+    assert nx.trees.largest_difference(*params) <= nx.train.LEARNING_RATE / 50
     assert runs[8].layout.bytes_per_device() < runs[1].layout.bytes_per_device()
 
 
@@ -236,9 +222,9 @@ def test_checkpoints_of_foreign_models_restore_on_another_mesh(tmp_path) -> None
             nx.strategy_mesh(nx.auto_fsdp(), 2),
             loss_fn=mlp_loss,
         )
-    assert nx.largest_difference(back.state, trainer.state) == 0.0
+    assert nx.trees.largest_difference(back.state, trainer.state) == 0.0
     assert back.layout.mesh.shape == {"data": 2, "model": 2}
-    assert nx.largest_difference(again.state, mlp.state) == 0.0
+    assert nx.trees.largest_difference(again.state, mlp.state) == 0.0
     assert again.train(batches, 1) == pytest.approx(mlp.train(batches, 1), abs=1e-6)
 
 
@@ -264,7 +250,7 @@ def test_requirements_of_a_model_are_checked_up_front() -> None:
     with pytest.raises(TypeError, match="cannot be written as JSON"):
         nx.Trainer.create(make_annotated, nx.adamw(), TP, mesh, loss_fn=mse, config={"f": len})
     with pytest.raises(TypeError, match="leaves are all arrays"):
-        nx.Params({"name": "text"})
+        nx.params.Params({"name": "text"})
 
 
 def test_requirements_of_a_batch_are_checked_up_front() -> None:
@@ -300,7 +286,7 @@ def test_layout_prints_as_text() -> None:
 
 
 def test_every_strategy_of_the_table_builds_its_mesh() -> None:
-    assert set(nx.STRATEGIES) == {
+    assert set(nx.rules.STRATEGIES) == {
         "DP",
         "ZeRO-1",
         "ZeRO-2",
@@ -317,7 +303,7 @@ def test_every_strategy_of_the_table_builds_its_mesh() -> None:
         "FSDP+EP",
     }
     assert set(nx.RULE_SETS) == {"DP", "FSDP", "TP", "FSDP+TP"}
-    shapes = {name: dict(nx.strategy_mesh(r).shape) for name, r in nx.STRATEGIES.items()}
+    shapes = {name: dict(nx.strategy_mesh(r).shape) for name, r in nx.rules.STRATEGIES.items()}
     assert shapes["TP"] == {"data": 4, "model": 2} and shapes["FSDP"] == {"data": 8, "model": 1}
     assert shapes["PP"] == {"stage": 8} and shapes["PP+FSDP"] == {"stage": 4, "fsdp": 2}
     assert shapes["HSDP"] == {"replica": 2, "data": 4} and shapes["ZeRO-1"] == shapes["FSDP"]
@@ -326,11 +312,11 @@ def test_every_strategy_of_the_table_builds_its_mesh() -> None:
     assert shapes["EP"] == {"data": 1, "expert": 8}
     assert shapes["FSDP+EP"] == {"data": 2, "expert": 4}
     assert dict(nx.strategy_mesh(nx.auto_fsdp("x")).shape) == {"x": 8}
-    with pytest.raises(nx.RuleError, match="exactly one of them -1"):
+    with pytest.raises(nx.rules.RuleError, match="exactly one of them -1"):
         nx.Rules("bad", {}, axes=("a", "b"), sizes=(2, 4))
-    with pytest.raises(nx.RuleError, match="lack"):
+    with pytest.raises(nx.rules.RuleError, match="lack"):
         nx.Rules("bad", {"embed": ("model",)}, axes=("data",), sizes=(-1,))
-    with pytest.raises(nx.RuleError, match="annotations='sometimes'"):
+    with pytest.raises(nx.rules.RuleError, match="annotations='sometimes'"):
         nx.auto_fsdp(annotations="sometimes")
     with pytest.raises(ValueError, match="a mesh of 12 devices was asked for and JAX has 8"):
         nx.strategy_mesh(nx.TP, 12)

@@ -31,7 +31,7 @@ MODES = {
 @pytest.fixture(scope="module")
 def placed() -> tuple[nnx.Module, jax.Array]:
     trainer = Trainer.create(create(CFG), adamw(), FSDP, MESH)
-    return trainer.model(), BATCHES(0, trainer.batch)
+    return trainer.model(), trainer.batch(BATCHES)
 
 
 @pytest.fixture(scope="module")

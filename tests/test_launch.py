@@ -13,9 +13,10 @@ from pathlib import Path
 import pytest
 
 from nnxscale import cli
+from nnxscale.cli import PROGRAM
 from nnxscale.launch import LaunchError, how_it_ended, launch, start
 
-WORKER = [sys.executable, "-m", "nnxscale.cli", "collective"]
+WORKER = [*PROGRAM, "collective"]
 SLEEPER = [sys.executable, "-c", "import os, time; print(os.getpid(), flush=True); time.sleep(60)"]
 
 
@@ -81,7 +82,7 @@ def test_a_stop_request_stops_every_worker() -> None:
 def test_the_command_line_exits_non_zero_and_says_why() -> None:
     second_fails = "import os, sys; sys.exit(3 if os.environ['NNXSCALE_PROCESS_ID'] == '1' else 0)"
     done = subprocess.run(
-        [sys.executable, "-m", "nnxscale.launch", "-n", "2", "--devices", "1", "--",
+        [*PROGRAM, "launch", "-n", "2", "--devices", "1", "--",
          sys.executable, "-c", second_fails],
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
@@ -93,7 +94,7 @@ def test_the_command_line_exits_non_zero_and_says_why() -> None:
 @pytest.mark.parametrize("stop", [signal.SIGKILL, signal.SIGTERM], ids=["SIGKILL", "SIGTERM"])
 def test_workers_die_with_the_launcher(stop: signal.Signals) -> None:
     launcher = subprocess.Popen(
-        [sys.executable, "-m", "nnxscale.launch", "-n", "2", "--devices", "1", "--", *SLEEPER],
+        [*PROGRAM, "launch", "-n", "2", "--devices", "1", "--", *SLEEPER],
         stdout=subprocess.PIPE, text=True,
     )  # fmt: skip
     pids = [int(launcher.stdout.readline().split()[-1]) for _ in range(2)]

@@ -161,7 +161,7 @@ def test_one_step_under_expert_parallelism_equals_one_device(name) -> None:
         return loss, [b - a for a, b in zip(weights(), before, strict=True)]
 
     (loss, grads), (ref_loss, ref_grads) = (
-        weights_moved(nx.STRATEGIES[name]),
+        weights_moved(nx.rules.STRATEGIES[name]),
         weights_moved(nx.DP, 1),
     )
     # the same weights route the same way: float32 rounding, relative to the largest entry
@@ -177,7 +177,7 @@ def test_the_compilers_expert_parallelism_moves_slots_by_all_to_all() -> None:
 
     trainer = moe_trainer(nx.EP)
     cfg, n = moe_config(), trainer.layout.mesh.shape["expert"]
-    report = collectives(trainer.compile(nx.book_batches(16)(0, trainer.batch)))
+    report = collectives(trainer.compile(trainer.batch(nx.book_batches(16))))
     slots = moe.capacity(32, cfg.experts, cfg.top_k, cfg.capacity_factor)
     array = 16 // n * cfg.experts * slots * cfg.embed * 4  # local groups' slots, float32
     # per layer: to the experts and back, forward and backward
@@ -214,7 +214,7 @@ def test_hand_written_strategies_refuse_a_mixture_of_experts() -> None:
 def test_an_expert_count_the_rules_cannot_split_is_an_error() -> None:
     import nnxscale as nx
 
-    with pytest.raises(nx.RuleError, match="experts=6"):
+    with pytest.raises(nx.rules.RuleError, match="experts=6"):
         nx.Trainer.create(
             nx.create(moe_config().replace(experts=6)),
             nx.adamw(),

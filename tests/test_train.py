@@ -67,9 +67,9 @@ def test_fsdp_state_is_split_over_all_devices() -> None:
 
 def test_the_step_donates_the_state() -> None:
     run = trainer(FSDP)
-    compiled = run.compile(BATCHES(0, run.batch))
+    compiled = run.compile(run.batch(BATCHES))
     assert CompiledMemory.of(compiled).alias == run.layout.bytes_per_device()
-    assert run.compile(BATCHES(1, run.batch)) is compiled  # compiled once, then reused
+    assert run.compile(run.batch(BATCHES, 1)) is compiled  # compiled once, then reused
 
 
 def test_accumulating_micro_batches_equals_the_whole_batch() -> None:
@@ -111,7 +111,7 @@ def test_ema_starts_at_the_parameters_and_follows_them() -> None:
     for key, value in after.ema.items():
         expected = 0.9 * before[key] + 0.1 * np.asarray(new[key][...])
         np.testing.assert_allclose(np.asarray(value[...]), expected, rtol=1e-6, atol=1e-7)
-    tokens = BATCHES(100, run.batch)
+    tokens = run.batch(BATCHES, 100)
     assert float(run.evaluate_ema(run.state, tokens)) != float(run.evaluate(run.state, tokens))
 
 
@@ -148,7 +148,7 @@ def test_a_batch_of_another_shape_gets_its_own_program() -> None:
     its own step instead of being fed to the first one, and the first is reused after it."""
     run = trainer(DP, devices=2)
     shorter = Batches(BATCHES.tokens, batch_size=16, length=16)
-    first = run.compile(BATCHES(0, run.batch))
+    first = run.compile(run.batch(BATCHES))
     losses = run.train(shorter, 1)
     assert run.compiled is not first and np.isfinite(losses).all()
     assert run.train(BATCHES, 1) and run.compiled is first and len(run.programs) == 2
@@ -179,6 +179,6 @@ def test_one_options_object_reaches_the_step() -> None:
     options = TrainOptions(dropout=False, micro_batches=2, activations=False)
     run = trainer_for(FSDP, 2, options=options)
     assert run.options is options
-    free = run.compile(BATCHES(0, run.batch)).as_text()
+    free = run.compile(run.batch(BATCHES)).as_text()
     named = trainer_for(FSDP, 2, options=options.replace(activations=True))
-    assert named.compile(BATCHES(0, named.batch)).as_text() != free
+    assert named.compile(named.batch(BATCHES)).as_text() != free

@@ -35,7 +35,7 @@ from sphinx.application import Sphinx
 from sphinx.environment import BuildEnvironment
 from sphinx.util.docutils import SphinxDirective
 
-from nnxscale.display import BOOK_BUILD_ENV
+from nnxscale.show import BOOK_BUILD_ENV
 
 CHAPTERS = "chapters/"
 STATUS_PAGE = "book/status"
@@ -422,7 +422,7 @@ def sharp_figures(app: Sphinx, config: object) -> None:
 
 
 def setup(app: Sphinx) -> dict[str, object]:
-    # Kernels started by myst-nb inherit this: `nnxscale.display.glue` records values only then.
+    # Kernels started by myst-nb inherit this: `nnxscale.show.glue` records values only then.
     os.environ[BOOK_BUILD_ENV] = "1"
     app.connect("config-inited", author_year_labels)
     app.connect("config-inited", sharp_figures)

@@ -1,116 +1,129 @@
 """nnxscale: the library of the book Scaling Flax NNX.
 
-`import nnxscale as nx` gives the names a reader needs, for the book's Transformer and for any
-NNX module or pytree of arrays: meshes, rule sets and their layouts, sharded initialisation,
-the trainer, checkpoints. Names load on first use, so `import nnxscale` starts no JAX work
-(the setup cell must emulate devices before JAX starts). The modules behind them (`nx.fsdp`,
-`nx.pipeline`, `nx.schedules`, `nx.hlo`, ...) hold what the chapters build step by step.
+`import nnxscale as nx` gives, under one spelling each, the names a reader needs to train
+the book's Transformer or any NNX module on many devices: meshes, rule sets, sharded
+initialisation, the trainer and its options, checkpoints, and the compiled program's
+collectives, memory and plan. Everything else lives in the modules, spelled with theirs
+(`nx.fsdp`, `nx.pipeline`, `nx.schedules`, `nx.hlo`, `nx.costs`, `nx.show`, ...).
+
+Importing starts no JAX backend, so the setup cell can still emulate devices after it.
 """
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from nnxscale import (
+    activations,
+    calculator,
+    checkpoint,
+    cli,
+    comm,
+    context,
+    costs,
+    data,
+    devices,
+    environment,
+    figures,
+    formula,
+    fsdp,
+    hlo,
+    init,
+    launch,
+    layout,
+    losses,
+    machine,
+    memory,
+    mesh,
+    model,
+    moe,
+    params,
+    pipeline,
+    planner,
+    rules,
+    schedules,
+    show,
+    train,
+    trees,
+)
+from nnxscale.checkpoint import Checkpoints
+from nnxscale.data import Batches, book_batches
+from nnxscale.devices import emulate_devices
+from nnxscale.hlo import collectives
+from nnxscale.init import abstract, init_sharded, shard
+from nnxscale.layout import resolve
+from nnxscale.memory import CompiledMemory
+from nnxscale.mesh import make_mesh
+from nnxscale.model import TINY, Config, Transformer, create
+from nnxscale.planner import plan
+from nnxscale.rules import (
+    CP,
+    DP,
+    EP,
+    FSDP,
+    FSDP_CP,
+    FSDP_EP,
+    FSDP_TP,
+    HSDP,
+    PP,
+    PP_FSDP,
+    RULE_SETS,
+    SP,
+    TP,
+    ZERO1,
+    ZERO2,
+    Rules,
+    auto_fsdp,
+    mesh_axis_rules,
+    strategy_mesh,
+)
+from nnxscale.train import Trainer, TrainOptions, adamw, trainer_for
 
 __version__ = "0.1.0"
 
-_HOMES = {
-    "devices": ("emulate_devices", "EmulationTooLateError"),
-    "mesh": ("make_mesh", "grid_shape"),
-    "rules": (
-        "Rules",
-        "RuleError",
-        "DP",
-        "FSDP",
-        "TP",
-        "FSDP_TP",
-        "ZERO1",
-        "ZERO2",
-        "HSDP",
-        "PP",
-        "PP_FSDP",
-        "SP",
-        "CP",
-        "FSDP_CP",
-        "EP",
-        "FSDP_EP",
-        "STRATEGIES",
-        "RULE_SETS",
-        "auto_fsdp",
-        "mesh_axis_rules",
-        "strategy_mesh",
-        "compare",
-    ),
-    "layout": ("Layout", "Placement", "ReplicationWarning", "resolve", "activation_rules"),
-    "context": ("Ring", "ContextError", "ring_attention"),
-    "init": ("abstract", "init_sharded", "shard"),
-    "losses": ("LossFn", "GradsFn", "cross_entropy", "next_token_loss"),
-    "train": ("Trainer", "TrainState", "adamw", "loss_and_grads", "LEARNING_RATE"),
-    "checkpoint": (
-        "Checkpoints",
-        "CheckpointError",
-        "CheckpointMismatchError",
-        "NoCheckpointError",
-    ),
-    "trees": ("largest_difference", "place"),
-    "params": ("Params",),
-    "model": ("Config", "Transformer", "TINY", "BENCH", "create", "count_params"),
-    "data": ("Batches", "book_batches"),
-    "hlo": ("collectives",),
-    "memory": ("CompiledMemory", "device_bytes", "saved_bytes"),
-    "costs": ("Setup", "step_cost", "HARDWARE", "Hardware"),
-    "planner": ("plan",),
-}
-_WHERE = {name: module for module, names in _HOMES.items() for name in names}
-_MODULES = (
-    "activations",
-    "calculator",
-    "checkpoint",
-    "cli",
-    "comm",
-    "context",
-    "costs",
-    "data",
-    "devices",
-    "display",
-    "environment",
-    "figures",
-    "formula",
-    "fsdp",
-    "hlo",
-    "init",
-    "launch",
-    "layout",
-    "losses",
-    "machine",
-    "memory",
-    "mesh",
-    "model",
-    "moe",
-    "params",
-    "pipeline",
-    "planner",
-    "rules",
-    "schedules",
-    "train",
-    "trees",
-)
+__all__ = [
+    "CP",
+    "DP",
+    "EP",
+    "FSDP",
+    "FSDP_CP",
+    "FSDP_EP",
+    "FSDP_TP",
+    "HSDP",
+    "PP",
+    "PP_FSDP",
+    "RULE_SETS",
+    "SP",
+    "TINY",
+    "TP",
+    "ZERO1",
+    "ZERO2",
+    "Batches",
+    "Checkpoints",
+    "CompiledMemory",
+    "Config",
+    "Rules",
+    "TrainOptions",
+    "Trainer",
+    "Transformer",
+    "abstract",
+    "adamw",
+    "auto_fsdp",
+    "book_batches",
+    "collectives",
+    "create",
+    "emulate_devices",
+    "init_sharded",
+    "make_mesh",
+    "mesh_axis_rules",
+    "plan",
+    "resolve",
+    "shard",
+    "strategy_mesh",
+    "trainer_for",
+]
 
-__all__ = sorted(_WHERE)
-
-
-def __getattr__(name: str) -> Any:
-    if name in _WHERE:
-        value = getattr(importlib.import_module(f"nnxscale.{_WHERE[name]}"), name)
-    elif name in _MODULES:
-        value = importlib.import_module(f"nnxscale.{name}")
-    elif name == "show":  # the chapters' name for the display helpers
-        value = importlib.import_module("nnxscale.display")
-    else:
-        raise AttributeError(f"module 'nnxscale' has no attribute {name!r}")
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *__all__, *_MODULES, "show"})
+MODULES = (
+    activations, calculator, checkpoint, cli, comm, context, costs, data, devices, environment,
+    figures, formula, fsdp, hlo, init, launch, layout, losses, machine, memory, mesh, model, moe,
+    params, pipeline, planner, rules, schedules, show, train, trees,
+)  # fmt: skip
+"""The modules, each reached as `nx.<module>`: the rest of the library, spelled with its home."""

@@ -34,12 +34,12 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from nnxscale.data import Batches
-from nnxscale.display import table
 from nnxscale.environment import versions
 from nnxscale.init import abstract
 from nnxscale.layout import resolve
 from nnxscale.model import Config
 from nnxscale.rules import Rules
+from nnxscale.show import table
 from nnxscale.train import Trainer, TrainOptions, TrainState
 from nnxscale.trees import is_key, key_data, path_str, stand_in
 

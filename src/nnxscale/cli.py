@@ -1,7 +1,7 @@
 """Programs the chapters and tests run in other processes, each with its own devices.
 
-`python -m nnxscale.cli train DIR ...` trains the book's model and checkpoints it into DIR;
-`python -m nnxscale.cli restore DIR ...` restores the latest checkpoint of DIR onto a mesh of
+`python -m nnxscale train DIR ...` trains the book's model and checkpoints it into DIR;
+`python -m nnxscale restore DIR ...` restores the latest checkpoint of DIR onto a mesh of
 its own and reports checksums. A new process is the only way to get another device count:
 JAX fixes it when it starts. `run` launches one and returns its output; `crash_during_save`
 launches a training run and kills it while it writes a checkpoint.
@@ -50,6 +50,9 @@ from nnxscale.mesh import make_mesh
 from nnxscale.model import TINY, Transformer, create
 from nnxscale.rules import RULE_SETS, strategy_mesh
 from nnxscale.train import Trainer, adamw
+
+PROGRAM = (sys.executable, "-m", "nnxscale")
+"""The command line that starts the library's programs (`nnxscale.__main__`)."""
 
 PREFIX = re.compile(r"^\[process (\d+)\] ")
 """What the launcher puts before each line of a worker's output."""
@@ -102,7 +105,7 @@ def _train(args: argparse.Namespace) -> None:
             emit("resumed", step=trainer.step_count())
         else:
             trainer = Trainer.create(create(cfg), adamw(), rules, mesh)
-        start, stop = batches.local_rows(trainer.batch)
+        start, stop = batches.local_rows(trainer.batch_sharding)
         emit(
             "start",
             processes=jax.process_count(),
@@ -188,7 +191,7 @@ def _collective(args: argparse.Namespace) -> None:
 
 def main(argv: Sequence[str] | None = None) -> None:
     """Parse the command line, emulate the devices asked for, and run the command."""
-    parser = argparse.ArgumentParser(prog="python -m nnxscale.cli", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m nnxscale", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     train = commands.add_parser("train", help="train and checkpoint (resuming if DIR has one)")
     restore = commands.add_parser("restore", help="restore the latest checkpoint and report")
@@ -221,8 +224,8 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 
 def run(*args: str, devices: int, timeout: float = 300) -> str:
-    """Run `python -m nnxscale.cli ARGS` with `devices` devices; its output, or an error with it."""
-    command = [sys.executable, "-m", "nnxscale.cli", *args, "--devices", str(devices)]
+    """Run `python -m nnxscale ARGS` with `devices` devices; its output, or an error with it."""
+    command = [*PROGRAM, *args, "--devices", str(devices)]
     done = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
     if done.returncode:
         raise RuntimeError(
@@ -260,9 +263,7 @@ def crash_during_save(
     while the files are written, without waiting for another process to react.
     """
     command = [
-        sys.executable,
-        "-m",
-        "nnxscale.cli",
+        *PROGRAM,
         "train",
         str(directory),
         "--devices",
@@ -303,7 +304,3 @@ def crash_during_save(
         )
     losses = {event["step"]: event["loss"] for event in events(output, "step")}
     return Crash(output, losses, sums, steps, child.returncode)
-
-
-if __name__ == "__main__":
-    main()

@@ -17,7 +17,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from nnxscale.comm import KINDS, ring_bytes
-from nnxscale.display import table
+from nnxscale.show import table
 
 SPECIAL_BITS = {"pred": 8, "token": 0}
 _ARRAY = re.compile(r"\b([a-z]+[0-9a-z]*)\[([^\]]*)\]")

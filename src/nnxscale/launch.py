@@ -208,8 +208,8 @@ def launch(
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    """`python -m nnxscale.launch -n 2 --devices 4 -- python worker.py`: exit 1 on failure."""
-    parser = argparse.ArgumentParser(prog="python -m nnxscale.launch", description=__doc__)
+    """`python -m nnxscale launch -n 2 --devices 4 -- python worker.py`: exit 1 on failure."""
+    parser = argparse.ArgumentParser(prog="python -m nnxscale launch", description=__doc__)
     parser.add_argument("-n", "--processes", type=int, default=2)
     parser.add_argument("--devices", type=int, default=4, help="emulated devices per process")
     parser.add_argument("--timeout", type=float, default=300)

@@ -14,8 +14,8 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from nnxscale.display import table
 from nnxscale.rules import RuleError, Rules, role_of
+from nnxscale.show import table
 from nnxscale.trees import flat
 
 
@@ -170,7 +170,7 @@ class Layout:
             is_leaf=lambda x: isinstance(x, PartitionSpec),
         )
 
-    def abstract(self, path: str) -> jax.ShapeDtypeStruct:
+    def array_at(self, path: str) -> jax.ShapeDtypeStruct:
         """The array at `path` as a shape, dtype and sharding: drawable before it exists."""
         for p in self.placements:
             if p.path == path:
@@ -197,7 +197,7 @@ class Layout:
         return sorted(whole, key=lambda p: -p.total_bytes)
 
     @property
-    def batch(self) -> NamedSharding:
+    def batch_sharding(self) -> NamedSharding:
         """Where a batch goes: every array of it split on its first dimension over the mesh
         axes of the rule set's `batch` rule (the first candidate the mesh has), the rest whole."""
         for axes in self.rules.candidates("batch", "the batch"):

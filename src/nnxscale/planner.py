@@ -26,9 +26,9 @@ from nnxscale.costs import (
     unpriced,
     unsuitable,
 )
-from nnxscale.display import Markdown, table
 from nnxscale.model import Config
 from nnxscale.rules import STRATEGIES, Rules
+from nnxscale.show import Markdown, table
 
 TOLERANCE = (0.7, 1.3)
 """How far a compiled step's peak memory may lie from the ledger's prediction (compiled /

@@ -16,8 +16,8 @@ from typing import TypeAlias
 import jax
 from jax.sharding import Mesh
 
-from nnxscale.display import Markdown, table
 from nnxscale.mesh import grid_shape, make_mesh
+from nnxscale.show import Markdown, table
 
 MeshAxes: TypeAlias = str | tuple[str, ...]
 """One candidate: a mesh axis, or several mesh axes used together for one dimension."""

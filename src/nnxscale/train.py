@@ -368,7 +368,7 @@ class Trainer:
         it is not), with its step and evaluations jitted on the layout's shardings."""
         options = options or TrainOptions()
         _check_config(config)
-        shardings, batch = layout.shardings(), layout.batch
+        shardings, batch = layout.shardings(), layout.batch_sharding
         scalar = NamedSharding(layout.mesh, P())
         step = jax.jit(
             partial(
@@ -400,27 +400,29 @@ class Trainer:
         return cls(graphdef, placed, layout, options, step, *evaluate, config=config)
 
     @property
-    def batch(self) -> NamedSharding:
-        """Where every array of a batch goes: split on its first dimension (`Layout.batch`)."""
-        return self.layout.batch
+    def batch_sharding(self) -> NamedSharding:
+        """Where every array of a batch goes: split on its first dimension (`Layout`'s)."""
+        return self.layout.batch_sharding
+
+    def batch(self, batches: Callable[[int, NamedSharding], Any], step: int = 0) -> Any:
+        """Batch `step` of `batches` (`batches(step, sharding)` gives any pytree of arrays),
+        with every array where the step takes it (`batch_sharding`)."""
+        return self.place_batch(batches(step, self.batch_sharding))
 
     def train(self, batches: Callable[[int, NamedSharding], Any], steps: int) -> list[float]:
-        """Run `steps` steps on batches(step, self.batch) from the current step; the losses.
-
-        A batch is any pytree of arrays; host arrays are placed by `self.batch`.
-        """
+        """Run `steps` steps on the batches of `batches` from the current step; the losses."""
         first = int(self.step_count())
         losses = []
         for step in range(first, first + steps):
-            batch = self.place_batch(batches(step, self.batch))
+            batch = self.batch(batches, step)
             self.state, loss = self.compile(batch)(self.state, batch)
             losses.append(float(loss))
         return losses
 
     def place_batch(self, batch: Any) -> Any:
-        """`batch` with every array on `self.batch` (arrays already there are not copied)."""
-        check_batch(batch, self.batch, self.options.micro_batches)
-        return place(batch, jax.tree.map(lambda _: self.batch, batch))
+        """`batch` with every array on `batch_sharding` (arrays already there stay)."""
+        check_batch(batch, self.batch_sharding, self.options.micro_batches)
+        return place(batch, jax.tree.map(lambda _: self.batch_sharding, batch))
 
     def time_steps(
         self, batches: Callable[[int, NamedSharding], Any], steps: int, first: int
@@ -428,7 +430,7 @@ class Trainer:
         """Wall seconds of each of `steps` steps on batches first, first + 1, ... (data ready)."""
         times = []
         for step in range(first, first + steps):
-            batch = jax.block_until_ready(self.place_batch(batches(step, self.batch)))
+            batch = jax.block_until_ready(self.batch(batches, step))
             compiled = self.compile(batch)
             start = time.perf_counter()
             self.state, loss = compiled(self.state, batch)
@@ -445,7 +447,7 @@ class Trainer:
         """
         kind = batch_kind(batch)
         if kind not in self.programs:
-            check_batch(batch, self.batch, self.options.micro_batches)
+            check_batch(batch, self.batch_sharding, self.options.micro_batches)
             rules = self.layout.rules if self.options.activations else None
             with jax.set_mesh(self.layout.mesh), activation_rules(rules, self.layout.mesh):
                 lowered = self.step.lower(self.state, batch)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import IPython.display
 import pytest
 
-from nnxscale.display import BOOK_BUILD_ENV, GLUE_PREFIX, Markdown, glue, source, table
 from nnxscale.mesh import grid_shape
+from nnxscale.show import BOOK_BUILD_ENV, GLUE_PREFIX, Markdown, glue, source, table
 
 
 def test_table_aligns_numbers_and_escapes_pipes() -> None:
