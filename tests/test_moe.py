@@ -203,12 +203,16 @@ def test_largest_is_top_k_in_values_order_ties_and_gradients(k) -> None:
 
 def test_hand_written_strategies_refuse_a_mixture_of_experts() -> None:
     import nnxscale as nx
-    from nnxscale import fsdp
+    from nnxscale import fsdp, pipeline, schedules
 
     model = nx.create(moe_config().replace(scan_layers=True))
     mesh = make_mesh((2,), ("data",), devices=jax.devices()[:2])
+    tokens = jnp.zeros((4, 33), jnp.int32)
     with pytest.raises(ValueError, match="load-balancing loss"):
-        fsdp.loss_and_grads(model, jnp.zeros((2, 33), jnp.int32), None, mesh=mesh)
+        fsdp.loss_and_grads(model, tokens, None, mesh=mesh)
+    stages = pipeline.pipeline_mesh(2)
+    with pytest.raises(ValueError, match="load-balancing loss"):
+        pipeline.grads_fn(schedules.gpipe(2, 2), stages)(model, tokens, None)
 
 
 def test_an_expert_count_the_rules_cannot_split_is_an_error() -> None:

@@ -532,77 +532,13 @@ def _weight_transfers(
 def _activation_transfers(
     arrays: list[_Array], rules: Rules, width: float, passes: int, moe: bool, rerun: bool
 ) -> list[Transfer]:
-    """Tensor parallelism's all-reduces of the residual stream (two per layer for each of
-    attention and MLP if their weights are split, two for a vocabulary-parallel embedding and
-    head), ring attention's key/value hops when the sequence is split (their forward again
-    when remat rebuilds the layer: `rerun`), and expert
-    parallelism's all-to-alls of the experts' slots (to the experts and back, in each of
-    `passes`)."""
-    stream = _per_micro_batch(_split(Formula.product(["batch", "seq", "embed"], width), rules))
-    found = []
-    for name, per_layer, what in (
-        ("heads", True, "attention"),
-        ("mlp", True, "MLP"),
-        ("vocab", False, "embedding and head"),
-    ):
-        axes = _tensor_axes(arrays, name, rules)
-        if axes:
-            count = Formula.of("layers") * passes if per_layer else Formula.of(2)
-            found.append(
-                Transfer(
-                    "all-reduce",
-                    axes,
-                    stream,
-                    count * "micro",
-                    count,
-                    "blocking",
-                    f"{what} outputs",
-                )
-            )
-    experts = _ordered(
-        (a for c in rules.logical.get("experts", ()) for a in ((c,) if isinstance(c, str) else c)),
-        rules,
-    )
-    if moe and experts:
-        slots = _per_micro_batch(
-            _split(Formula.product(["batch", "experts", "capacity", "embed"], width), rules)
-        )
-        count = Formula.of("layers") * 2 * passes
-        found.append(
-            Transfer(
-                "all-to-all",
-                experts[:1],
-                slots,
-                count * "micro",
-                count,
-                "blocking",
-                "experts' slots",
-            )
-        )
-    axis = _context_axis(rules)
-    if axis is not None:
-        values = Formula.product(["batch", "seq", "heads", "head_dim"], 2)  # a K and a V block
-        hops = Formula.of(axis) - 1
-        # forward: N-1 hops, again when remat rebuilds the layer; backward: N-1 more, the
-        # first shared with the forward's (the compiler sends it once)
-        keys = Formula.of("layers") * (hops * (2 if rerun else 1) + hops - 1)
-        grads = Formula.of("layers") * Formula.of(axis)  # with K and V, and one hop home
-        for size, count, what in (
-            (width, keys, "keys and values"),
-            (STATE_BYTES, grads, "their gradients, in float32"),
-        ):
-            found.append(
-                Transfer(
-                    "collective-permute",
-                    (axis,),
-                    _per_micro_batch(_split(values * size, rules)),
-                    count * "micro",
-                    count,
-                    "ring",
-                    what,
-                )
-            )
-    return found
+    """What moves activations between devices: tensor parallelism's all-reduces, expert
+    parallelism's all-to-alls (in each of `passes`) and ring attention's hops (their forward
+    again when remat rebuilds the layer: `rerun`)."""
+    found = _tensor_all_reduces(arrays, rules, width, passes)
+    if moe:
+        found += _expert_all_to_alls(rules, width, passes)
+    return found + _ring_hops(rules, width, rerun)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -702,11 +638,9 @@ def unpriced(rules: Rules, moe: int) -> str:
     return ""
 
 
-def _derive(rules: Rules, compute_dtype: str, remat: bool | str, moe: int) -> Costs:
-    policy = remat_policy(remat)
-    width = DTYPE_BYTES[compute_dtype]
-    arrays = _arrays(rules, bool(moe))
-    tokens = set(rules.token_axes(rules.axes))
+def _held(arrays: list[_Array]) -> tuple[dict[str, Formula], Formula, Formula, tuple]:
+    """The train state per device (parameters, optimizer state), the gradients held, the
+    head's gradients, and every (size, axes) that splits a dimension of an array."""
     state = {
         "parameters": _total(a.per_device("params") for a in arrays),
         "optimizer state": _total(a.per_device("optimizer") for a in arrays) * OPTIMIZER_COPIES,
@@ -715,28 +649,23 @@ def _derive(rules: Rules, compute_dtype: str, remat: bool | str, moe: int) -> Co
     # splits a gradient only a split update reads, whatever the rule set says of `grads`
     gradients = _total(a.per_device("optimizer") for a in arrays)
     head_gradients = _total(a.per_device("optimizer") for a in arrays if a.path == "head")
-    splits = sorted(
-        {
-            (SIZES[n], axes)
-            for a in arrays
-            for role in a.axes.values()
-            for n, axes in zip(a.names, role, strict=True)
-            if axes
-        }
-    )
-    stage = _tensor_stage(arrays)
-    if stage is not None:
-        return _pipeline(
-            rules, arrays, state, gradients, head_gradients, tuple(splits), stage, width
-        )
-    layer_gradients = _total(
-        (a.elements * STATE_BYTES / "layers").per(
-            x for d in a.axes["params"] for x in d if x not in tokens
-        )
+    splits = {
+        (SIZES[n], axes)
         for a in arrays
-        if "layers" in a.names
-    )
+        for role in a.axes.values()
+        for n, axes in zip(a.names, role, strict=True)
+        if axes
+    }
+    return state, gradients, head_gradients, tuple(sorted(splits))
+
+
+def _kept(
+    rules: Rules, arrays: list[_Array], compute_dtype: str, policy: str | None, moe: int
+) -> tuple[Formula, Formula, Formula]:
+    """Per device: the activations the backward pass reads, the compute copies of the
+    weights (when the compute dtype or a token axis needs them), and what remat rebuilds."""
     ring = _context_axis(rules)
+    tokens = set(rules.token_axes(rules.axes))
     k = kept(compute_dtype, policy or False, ring=ring is not None, moe=moe)
     activations = _per_micro_batch(
         _split(k.layer * "layers" + k.model, rules) + _local(k.local, rules)
@@ -752,6 +681,29 @@ def _derive(rules: Rules, compute_dtype: str, remat: bool | str, moe: int) -> Co
     )
     if policy and copies:
         rebuilt += _split(kept(compute_dtype).weights, rules, weights=True)
+    return activations, weights, rebuilt
+
+
+def _derive(rules: Rules, compute_dtype: str, remat: bool | str, moe: int) -> Costs:
+    policy = remat_policy(remat)
+    width = DTYPE_BYTES[compute_dtype]
+    arrays = _arrays(rules, bool(moe))
+    tokens = set(rules.token_axes(rules.axes))
+    state, gradients, head_gradients, splits = _held(arrays)
+    stage = _tensor_stage(arrays)
+    if stage is not None:
+        return _pipeline(
+            rules, arrays, state, gradients, head_gradients, tuple(splits), stage, width
+        )
+    layer_gradients = _total(
+        (a.elements * STATE_BYTES / "layers").per(
+            x for d in a.axes["params"] for x in d if x not in tokens
+        )
+        for a in arrays
+        if "layers" in a.names
+    )
+    ring = _context_axis(rules)
+    activations, weights, rebuilt = _kept(rules, arrays, compute_dtype, policy, moe)
     head = _per_micro_batch(_split(Formula.product(["batch", "seq", "vocab"], LOGIT_BYTES), rules))
     passes = Formula.of("micro") * (2 if policy else 1)
     transfers = _weight_transfers(arrays, rules, passes, Formula.of("micro"), width)
@@ -837,6 +789,76 @@ def _total(formulas: Iterable[Formula]) -> Formula:
     return sum(formulas, Formula())
 
 
+def _tensor_all_reduces(
+    arrays: list[_Array], rules: Rules, width: float, passes: int
+) -> list[Transfer]:
+    """Tensor parallelism's all-reduces of the residual stream: two per layer for each of
+    attention and MLP if their weights are split (in each of `passes`), two for a
+    vocabulary-parallel embedding and head."""
+    stream = _per_micro_batch(_split(Formula.product(["batch", "seq", "embed"], width), rules))
+    found = []
+    for name, per_layer, what in (
+        ("heads", True, "attention"),
+        ("mlp", True, "MLP"),
+        ("vocab", False, "embedding and head"),
+    ):
+        axes = _tensor_axes(arrays, name, rules)
+        if axes:
+            count = Formula.of("layers") * passes if per_layer else Formula.of(2)
+            found.append(
+                Transfer(
+                    "all-reduce", axes, stream, count * "micro", count, "blocking",
+                    f"{what} outputs",
+                )
+            )  # fmt: skip
+    return found
+
+
+def _expert_all_to_alls(rules: Rules, width: float, passes: int) -> list[Transfer]:
+    """Expert parallelism's all-to-alls of the experts' slots: to the experts and back, in
+    each of `passes`, over the first axis that splits the experts."""
+    experts = _ordered(
+        (a for c in rules.logical.get("experts", ()) for a in ((c,) if isinstance(c, str) else c)),
+        rules,
+    )
+    if not experts:
+        return []
+    slots = _per_micro_batch(
+        _split(Formula.product(["batch", "experts", "capacity", "embed"], width), rules)
+    )
+    count = Formula.of("layers") * 2 * passes
+    return [
+        Transfer(
+            "all-to-all", experts[:1], slots, count * "micro", count, "blocking",
+            "experts' slots",
+        )
+    ]  # fmt: skip
+
+
+def _ring_hops(rules: Rules, width: float, rerun: bool) -> list[Transfer]:
+    """Ring attention's hops when the sequence is split: keys and values in the compute
+    dtype, their gradients in float32."""
+    axis = _context_axis(rules)
+    if axis is None:
+        return []
+    values = Formula.product(["batch", "seq", "heads", "head_dim"], 2)  # a K and a V block
+    hops = Formula.of(axis) - 1
+    # forward: N-1 hops, again when remat rebuilds the layer; backward: N-1 more, the
+    # first shared with the forward's (the compiler sends it once)
+    keys = Formula.of("layers") * (hops * (2 if rerun else 1) + hops - 1)
+    grads = Formula.of("layers") * Formula.of(axis)  # with K and V, and one hop home
+    return [
+        Transfer(
+            "collective-permute", (axis,), _per_micro_batch(_split(values * size, rules)),
+            count * "micro", count, "ring", what,
+        )
+        for size, count, what in (
+            (width, keys, "keys and values"),
+            (STATE_BYTES, grads, "their gradients, in float32"),
+        )
+    ]  # fmt: skip
+
+
 def _pipeline(
     rules: Rules,
     arrays: list[_Array],
@@ -872,20 +894,13 @@ def _pipeline(
     once = Formula.of(1)
     transfers = _weight_transfers(arrays, rules, once, once, STATE_BYTES)
     ticks = (Formula.of("micro") + stage - 1) * 2
+    hand_overs = "stage inputs and their gradients"
     transfers.append(
         Transfer(
-            "collective-permute",
-            (stage,),
-            micro,
-            ticks * 2,
-            ticks * 2,
-            "blocking",
-            "stage inputs and their gradients",
+            "collective-permute", (stage,), micro, ticks * 2, ticks * 2, "blocking", hand_overs
         )
     )
-    flops = (_flops(None) * Formula.of(4) / 3).per(
-        rules.axes
-    )  # the backward recomputes the forward
+    flops = (_flops(None) * Formula.of(4) / 3).per(rules.axes)  # the backward runs it again
     weights = whole if tokens else Formula()  # the stage's weights, gathered once per step
     return Costs(
         rules,
@@ -1085,6 +1100,28 @@ def _exposed(
     return max(0.0, seconds - window[transfer.overlap]) + seconds / max(1.0, pieces)
 
 
+def _collectives(
+    costs: Costs,
+    sizes: dict[str, int],
+    mesh: dict[str, int],
+    hw: Hardware,
+    window: dict[str, float],
+) -> list[Collective]:
+    """Each transfer of the step that crosses devices, timed on `hw` and with the part of its
+    time that compute in its `window` (the seconds it can overlap) leaves exposed."""
+    found = []
+    for t in costs.transfers:
+        n = math.prod(mesh[a] for a in t.axes)
+        if n == 1:
+            continue
+        array, passes = t.array(sizes), t.passes(sizes)
+        sent, seconds = collective_seconds(t.kind, array, n, mesh, t.axes, hw)
+        total = passes * seconds
+        exposed = _exposed(t, total, t.launches(sizes), window)
+        found.append(Collective(t, n, array, passes * sent, total, exposed))
+    return found
+
+
 def step_cost(
     cfg: Config,
     setup: Setup,
@@ -1126,19 +1163,7 @@ def step_cost(
         "update": forward,
         "ring": compute * costs.attention_flops(sizes) / flops,
     }
-    found = []
-    for t in costs.transfers:
-        n = math.prod(mesh[a] for a in t.axes)
-        if n == 1:
-            continue
-        array, passes = t.array(sizes), t.passes(sizes)
-        sent, seconds = collective_seconds(t.kind, array, n, mesh, t.axes, hw)
-        total = passes * seconds
-        found.append(
-            Collective(
-                t, n, array, passes * sent, total, _exposed(t, total, t.launches(sizes), window)
-            )
-        )
+    found = _collectives(costs, sizes, mesh, hw, window)
     bubble = 0.0
     if costs.stage_axis is not None:
         p, m = mesh[costs.stage_axis], setup.micro_batches

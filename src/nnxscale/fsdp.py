@@ -27,7 +27,7 @@ from jax.sharding import Mesh, PartitionSpec
 
 from nnxscale.comm import GATHERED, gather_tree
 from nnxscale.layout import resolve
-from nnxscale.losses import GradsFn, cross_entropy
+from nnxscale.losses import GradsFn
 from nnxscale.model import Transformer
 from nnxscale.rules import FSDP, Rules
 
@@ -122,9 +122,11 @@ def local_loss(
     keys = None
     if key is not None:  # each device draws the dropout masks of its own rows
         keys = model.layer_keys(jax.random.fold_in(key, jax.lax.axis_index(options.axis)))
-    x = run_layers(model.blocks, specs["blocks"], model.embed_tokens(tokens[:, :-1]), keys, options)
-    loss = cross_entropy(model.unembed(x), tokens[:, 1:])
-    return loss / jax.lax.axis_size(options.axis)
+
+    def gathering(model: Transformer, x: jax.Array, keys: jax.Array | None) -> tuple:
+        return run_layers(model.blocks, specs["blocks"], x, keys, options), None
+
+    return model.loss(tokens, keys, gathering) / jax.lax.axis_size(options.axis)
 
 
 def loss_and_grads(
@@ -147,11 +149,6 @@ def loss_and_grads(
         raise ValueError("hand-written FSDP gathers inside a scan: use Config(scan_layers=True)")
     if micro_batches != 1:
         raise ValueError("hand-written FSDP takes the whole batch: use micro_batches=1")
-    if model.cfg.experts:
-        raise ValueError(
-            "hand-written FSDP runs dense blocks and would drop the experts' load-balancing "
-            "loss: train a mixture of experts with the rule sets (nx.EP, nx.FSDP_EP)"
-        )
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     specs = resolve(params, rules, mesh).specs
 

@@ -38,6 +38,4 @@ def next_token_loss(model: nnx.Module, tokens: jax.Array, rngs: nnx.Rngs | None)
     stream's key as it is (the step's key), not a draw from it.
     """
     key = None if rngs is None else rngs.dropout.key[...]
-    logits, aux = model.logits_and_aux(tokens[:, :-1], dropout_key=key)
-    loss = cross_entropy(logits, tokens[:, 1:])
-    return loss + model.cfg.aux_weight * aux if model.cfg.experts else loss
+    return model.loss(tokens, None if key is None else model.layer_keys(key))

@@ -20,6 +20,7 @@ from jax.sharding import NamedSharding
 
 from nnxscale.context import context_split, from_layout, ring_attention, to_layout
 from nnxscale.layout import activation_spec, constrain, weight_layout
+from nnxscale.losses import cross_entropy
 from nnxscale.moe import MoE, Routing
 
 LOGICAL_AXES = ("vocab", "embed", "heads", "head_dim", "mlp", "length", "layers", "experts")
@@ -284,6 +285,13 @@ def _stacked_blocks(cfg: Config, rngs: nnx.Rngs) -> Block:
     return create(rngs)
 
 
+BlockRunner = Callable[
+    ["Transformer", jax.Array, "jax.Array | None"], "tuple[jax.Array, jax.Array | None]"
+]
+"""`blocks(model, x, keys) -> (output, summed load-balancing loss or None)`: how
+`Transformer.loss` runs the blocks (hand-written FSDP and the pipeline bring their own)."""
+
+
 class Transformer(nnx.Module):
     """Decoder-only language model: token and position embeddings, blocks, norm, output head."""
 
@@ -309,15 +317,35 @@ class Transformer(nnx.Module):
 
     def __call__(self, tokens: jax.Array, *, dropout_key: jax.Array | None = None) -> jax.Array:
         """Logits (batch, length, vocab) for integer tokens (batch, length); dropout if keyed."""
-        return self.logits_and_aux(tokens, dropout_key=dropout_key)[0]
-
-    def logits_and_aux(
-        self, tokens: jax.Array, *, dropout_key: jax.Array | None = None
-    ) -> tuple[jax.Array, jax.Array]:
-        """The logits and the layers' mean load-balancing loss (zero without experts)."""
         keys = None if dropout_key is None else self.layer_keys(dropout_key)
-        x, aux = self.run_blocks(self.embed_tokens(tokens), keys)
-        return self.unembed(x), aux / self.cfg.layers
+        return self.unembed(self.run_blocks(self.embed_tokens(tokens), keys)[0])
+
+    def loss(
+        self,
+        tokens: jax.Array,
+        keys: jax.Array | None = None,
+        blocks: BlockRunner | None = None,
+    ) -> jax.Array:
+        """The book's loss on `tokens` (batch, length + 1), written once: embed, the blocks,
+        then the head and the loss (`head_loss`). `blocks(model, x, keys)` runs the blocks
+        (default `run_blocks`): hand-written FSDP and the pipeline plug their runners in."""
+        x = self.embed_tokens(tokens[:, :-1])
+        y, aux = blocks(self, x, keys) if blocks else self.run_blocks(x, keys)
+        return self.head_loss(y, tokens[:, 1:], aux)
+
+    def head_loss(self, y: jax.Array, targets: jax.Array, aux: jax.Array | None) -> jax.Array:
+        """Mean cross-entropy of `targets` under the head's logits for the blocks' output `y`,
+        plus, with experts, `aux_weight` times the layers' mean load-balancing loss `aux`
+        (their sum). A runner that returns no `aux` cannot train experts, and is refused."""
+        loss = cross_entropy(self.unembed(y), targets)
+        if not self.cfg.experts:
+            return loss
+        if aux is None:
+            raise ValueError(
+                "these blocks run without the experts' load-balancing loss, which training "
+                "would drop: train a mixture of experts with the rule sets (nx.EP, nx.FSDP_EP)"
+            )
+        return loss + self.cfg.aux_weight * aux / self.cfg.layers
 
     def embed_tokens(self, tokens: jax.Array) -> jax.Array:
         """The blocks' input: token plus position embeddings, in the compute dtype. Under

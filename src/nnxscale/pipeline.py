@@ -34,7 +34,7 @@ from jax.sharding import Mesh, PartitionSpec
 from nnxscale.comm import gather_tree
 from nnxscale.hlo import branch_work
 from nnxscale.layout import resolve
-from nnxscale.losses import GradsFn, cross_entropy
+from nnxscale.losses import GradsFn
 from nnxscale.mesh import make_mesh
 from nnxscale.model import Transformer
 from nnxscale.rules import FSDP_AXIS, PP, PP_FSDP, STAGE, Rules
@@ -280,7 +280,7 @@ def _stage(
     y = _run_layers(model.blocks, model.embed_tokens(tokens[:, :-1]) if branch.first else x)
     if not branch.last:
         return y, jnp.zeros((), jnp.float32)
-    return y, cross_entropy(model.unembed(y), tokens[:, 1:]) * scale
+    return y, model.head_loss(y, tokens[:, 1:], None) * scale
 
 
 def _chunk(params: nnx.State, chunk: jax.Array, virtual: int) -> nnx.State:
@@ -438,11 +438,6 @@ def _check(model: Transformer, batch: jax.Array, schedule: Schedule, mesh: Mesh)
     """Refuse, with the reason, a pipeline the executor cannot run, before anything is traced."""
     if not model.cfg.scan_layers:
         raise ValueError("the executor splits stacked layers: use Config(scan_layers=True)")
-    if model.cfg.experts:
-        raise ValueError(
-            "the pipeline executor would drop the experts' load-balancing loss: train a "
-            "mixture of experts with the rule sets (nx.EP, nx.FSDP_EP)"
-        )
     p, m = mesh.shape[STAGE], schedule.micro_batches
     if schedule.devices != p:
         raise ScheduleError(f"the schedule has {schedule.devices} stages, the mesh {p}")
