@@ -376,7 +376,7 @@ def test_activations_left_to_the_compiler_give_fsdp_tp_another_program() -> None
     named = cp_trainer(nx.FSDP_TP)
     sent = [collectives(t.compile(t.batch(batches))).bytes() for t in (free, named)]
     assert sent[0] > 2 * sent[1]
-    assert not free.activations and named.activations
+    assert not free.options.activations and named.options.activations
 
 
 def test_evaluation_runs_under_the_same_rules() -> None:
