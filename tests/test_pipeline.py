@@ -13,7 +13,7 @@ from nnxscale.data import book_batches
 from nnxscale.hlo import branch_work, collectives
 from nnxscale.layout import resolve
 from nnxscale.memory import CompiledMemory
-from nnxscale.model import TINY, create
+from nnxscale.model import TINY, create, group_layers, layer_rounds
 from nnxscale.rules import DP, strategy_mesh
 from nnxscale.schedules import (
     ScheduleError,
@@ -50,26 +50,30 @@ def test_placed_lays_the_model_out_by_the_rules_its_mesh_implies() -> None:
                                          state, expected))  # fmt: skip
 
 
-def test_interleaving_stores_each_device_s_stages_side_by_side() -> None:
-    order = pipeline.layer_order(8, 4, 2)  # stages of one layer: device d holds d and d + 4
-    np.testing.assert_array_equal(order, [0, 4, 1, 5, 2, 6, 3, 7])
-    np.testing.assert_array_equal(pipeline.layer_order(8, 2, 2), [0, 1, 4, 5, 2, 3, 6, 7])
-    np.testing.assert_array_equal(pipeline.layer_order(8, 4), np.arange(8))
+def test_interleaving_holds_the_layers_in_rounds_each_device_its_stages() -> None:
     model = create(CFG)
     mesh = pipeline.pipeline_mesh(4)
     interleaving = pipeline.placed(model, mesh, virtual=2)
-    assert interleaving.stored_order == tuple(order)
-    stored = nnx.state(interleaving, nnx.Param)
-    back = pipeline.in_model_order(stored, 4, 2)
-    # placing again starts from the model's order: v = 1 gives the model back
-    natural = pipeline.placed(interleaving, mesh, virtual=1)
-    assert natural.stored_order is None
-    for a, b in zip(jax.tree.leaves(nnx.state(natural, nnx.Param)),
-                    jax.tree.leaves(nnx.state(model, nnx.Param)), strict=True):  # fmt: skip
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    for got, want in zip(jax.tree.leaves(back), jax.tree.leaves(nnx.state(model, nnx.Param)),
-                         strict=True):  # fmt: skip
+    assert layer_rounds(nnx.state(interleaving)) == 2
+    up = interleaving.blocks.mlp.up
+    assert up.shape == (2, 4, *model.blocks.mlp.up.shape[1:])
+    assert up.get_metadata()["out_sharding"][:2] == ("rounds", "layers")
+    # device d holds one layer of each round: model layers d and d + 4, its two stages
+    held = {s.device.id: s.index for s in up[...].addressable_shards}
+    for position, device in enumerate(mesh.devices.flat):
+        rows = np.arange(8).reshape(2, 4)[held[device.id][:2]]
+        assert sorted(rows.flat) == [position, position + 4]
+    # a reshape: the same layers in the model's order, which the model runs as it would
+    plain = nnx.state(model, nnx.Param)
+    back = group_layers(nnx.state(interleaving, nnx.Param), 1)
+    for got, want in zip(jax.tree.leaves(back), jax.tree.leaves(plain), strict=True):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    tokens = TOKENS[:, :-1]
+    np.testing.assert_array_equal(np.asarray(interleaving(tokens)), np.asarray(model(tokens)))
+    # placing again regroups: v = 1 gives the plain stacks back
+    natural = pipeline.placed(interleaving, mesh, virtual=1)
+    assert layer_rounds(nnx.state(natural)) == 1
+    assert natural.blocks.mlp.up.shape == model.blocks.mlp.up.shape
 
 
 CASES = [
@@ -90,7 +94,7 @@ def test_pipelined_gradients_equal_the_unpipelined(reference, schedule, shape) -
     model = placed(mesh, schedule.virtual)
     run = jax.jit(lambda m, t: pipeline.loss_and_grads(m, t, schedule, mesh))
     loss, grads = run(model, TOKENS)
-    grads = pipeline.in_model_order(grads, schedule.devices, schedule.virtual)
+    grads = group_layers(grads, 1)
     ref_loss, ref_grads = reference
     assert abs(float(loss) - float(ref_loss)) <= 1e-6
     for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads), strict=True):
@@ -217,11 +221,11 @@ def test_bad_pipelines_are_refused(reference) -> None:
         pipeline.pipeline_mesh(8, 4)
     with pytest.raises(ValueError, match="dropout=False"):
         pipeline.grads_fn(gpipe(4, 4), mesh)(model, TOKENS, jax.random.key(0))
-    # a model stored for one interleaving is refused by another, and not run as a model
+    # a model held in the rounds of one interleaving is refused by another
     two = placed(mesh, virtual=2)
-    with pytest.raises(ScheduleError, match=r"place the model with .*virtual=1"):
+    with pytest.raises(ScheduleError, match=r"holds its layers in 2 round.*virtual=1"):
         pipeline.loss_and_grads(two, TOKENS, gpipe(4, 4), mesh)
-    with pytest.raises(ScheduleError, match="virtual=2"):
+    with pytest.raises(ScheduleError, match=r"in 1 round.*virtual=2"):
         pipeline.loss_and_grads(model, TOKENS, interleaved(4, 8, 2), mesh)
-    with pytest.raises(ValueError, match="stored in a pipeline's order"):
-        two(TOKENS[:, :-1])
+    with pytest.raises(ScheduleError, match="8 layers cannot be split into 12"):
+        pipeline.placed(create(CFG), mesh, virtual=3)

@@ -36,8 +36,8 @@ from jax.sharding import Mesh
 from nnxscale.data import Batches
 from nnxscale.environment import versions
 from nnxscale.init import abstract
-from nnxscale.layout import resolve
-from nnxscale.model import Config
+from nnxscale.layout import Layout, resolve
+from nnxscale.model import Config, group_layers, layer_rounds
 from nnxscale.rules import Rules
 from nnxscale.show import table
 from nnxscale.train import Trainer, TrainOptions, TrainState
@@ -72,9 +72,6 @@ class Record:
     data: dict[str, Any] | None
     saved_at: float
     versions: dict[str, str]
-    layer_order: list[int] | None = None
-    """The order a pipeline stored the stacked layers in (`Transformer.stored_order`); None in
-    the model's own order, and in checkpoints written before it was recorded."""
     options: dict[str, Any] | None = None
     """The run's training options (`TrainOptions.recorded`): restores train as it did."""
 
@@ -104,12 +101,6 @@ class Record:
             ["rule set", f"{self.rules['name']} ({logical})"],
             ["mesh", f"{self.mesh}: {self.devices} devices in {self.processes} process(es)"],
             ["data", ", ".join(f"{k} {str(v)[:12]}" for k, v in data.items()) or "not recorded"],
-            [
-                "layers stored",
-                "the model's order"
-                if self.layer_order is None
-                else f"a pipeline's order {self.layer_order}",
-            ],
             ["training", _said(self.options) if self.options else "not recorded"],
             ["saved at", time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(self.saved_at))],
             ["written by", ", ".join(f"{k} {v}" for k, v in self.versions.items())],
@@ -120,29 +111,6 @@ class Record:
 def _said(options: dict[str, Any]) -> str:
     """Recorded training options as `name value` pairs, leaving out those not set."""
     return ", ".join(f"{k} {v}" for k, v in options.items() if v is not None)
-
-
-def stored_order(model: nnx.Module) -> list[int] | None:
-    """The order `model` stores its stacked layers in, if a pipeline changed it."""
-    order = getattr(model, "stored_order", None)
-    return None if order is None else [int(i) for i in order]
-
-
-def check_layer_order(record: Record, model: nnx.Module) -> None:
-    """Refuse to restore layers stored in one order into a model that runs them in another."""
-    if record.layer_order == stored_order(model):
-        return
-
-    def said(order: list[int] | None) -> str:
-        return "the model's own order" if order is None else f"the pipeline's order {order}"
-
-    raise CheckpointMismatchError(
-        f"the checkpoint of step {record.step} stores the stacked layers in "
-        f"{said(record.layer_order)}, and the model to restore into keeps them in "
-        f"{said(stored_order(model))}: restored, they would run out of order. Place the model "
-        "as the run that saved it did (nnxscale.pipeline.placed with its virtual stages), or "
-        "give Transformer.from_config, which takes the order from the checkpoint."
-    )
 
 
 def record_of(trainer: Trainer, data: Batches | None) -> Record:
@@ -162,7 +130,6 @@ def record_of(trainer: Trainer, data: Batches | None) -> Record:
         data=position,
         saved_at=time.time(),
         versions=installed,
-        layer_order=stored_order(state.model),
         options=trainer.options.recorded(),
     )
 
@@ -278,9 +245,6 @@ def state_to_restore(
         structure = nnx.merge(graphdef, jax.tree.map(stand_in, values))
     else:
         structure = model(record.config)
-        if record.layer_order is not None:  # stored as the pipeline that saved it
-            structure.stored_order = tuple(record.layer_order)
-    check_layer_order(record, structure)
     return TrainState(structure, tx, ema_decay=record.ema_decay)
 
 
@@ -291,10 +255,19 @@ def restore_target(values: nnx.State, shardings: Any) -> nnx.State:
     )
 
 
+def held_in(state: Any, rounds: int, layout: Layout) -> Any:
+    """`state` with its stacked layers held in `rounds` rounds (`group_layers`), laid out by
+    `layout`'s rules on its mesh: one program, in which the layers move between devices once."""
+    shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state)
+    target = resolve(group_layers(shapes, rounds), layout.rules, layout.mesh)
+    return jax.jit(lambda s: group_layers(s, rounds), out_shardings=target.shardings())(state)
+
+
 def checksums(tree: Any) -> dict[str, str]:
-    """Path -> SHA-256 (first 16 hex digits) of each array's shape, dtype and bytes."""
+    """Path -> SHA-256 (first 16 hex digits) of each array's shape, dtype and bytes, the
+    stacked layers taken as one plain stack, however a pipeline holds them (`group_layers`)."""
     sums = {}
-    for path, leaf in _leaves(tree):
+    for path, leaf in _leaves(group_layers(tree, 1)):
         host = np.asarray(jax.device_get(key_data(leaf)))
         digest = hashlib.sha256(f"{host.shape}{host.dtype}".encode())
         digest.update(np.ascontiguousarray(host).tobytes())
@@ -370,13 +343,18 @@ class Checkpoints:
         self.times: dict[int, SaveTimes] = {}
 
     def save(self, trainer: Trainer, data: Batches | None = None) -> float:
-        """Start saving `trainer`'s state at its step; returns the seconds training waited."""
+        """Start saving `trainer`'s state at its step; returns the seconds training waited.
+        Stacked layers that a pipeline holds in rounds are saved as one plain stack, in the
+        model's order, so any schedule, or none, restores them."""
         record = record_of(trainer, data)
         start = time.perf_counter()
+        state = trainer.state
+        if layer_rounds(state) > 1:
+            state = held_in(state, 1, trainer.layout)
         self.manager.save(
             record.step,
             args=ocp.args.Composite(
-                state=ocp.args.StandardSave(trainer.state),
+                state=ocp.args.StandardSave(state),
                 meta=ocp.args.JsonSave(dataclasses.asdict(record)),
             ),
         )
@@ -463,6 +441,19 @@ class Checkpoints:
         store = ts.KvStore.open({"driver": "ocdbt", "base": f"file://{root}/"}).result()
         return {key.decode(): len(store.read(key).result().value) for key in store.list().result()}
 
+    def _read(self, values: nnx.State, layout: Layout, step: int) -> nnx.State:
+        """The saved state in `layout`, for a state shaped like `values`: read as the plain
+        stacks the checkpoint holds, then held in the rounds `values` holds its layers in."""
+        values = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), values)
+        rounds = layer_rounds(values)
+        if rounds == 1:
+            return self.restore_state(restore_target(values, layout.shardings()), step)
+        plain = group_layers(values, 1)
+        read = resolve(plain, layout.rules, layout.mesh)
+        return held_in(
+            self.restore_state(restore_target(plain, read.shardings()), step), rounds, layout
+        )
+
     def restore_state(self, target: nnx.State, step: int | None = None) -> nnx.State:
         """The saved state, read into `target`'s shapes and shardings (see `restore_target`)."""
         step = self._step(step)
@@ -502,7 +493,7 @@ class Checkpoints:
         options = restored_options(record, options, changes)
         graphdef, values = nnx.split(abstract(lambda: state_to_restore(record, model, tx)))
         layout = resolve(values, rules, mesh)
-        state = self.restore_state(restore_target(values, layout.shardings()), record.step)
+        state = self._read(values, layout, record.step)
         return Trainer.from_layout(graphdef, state, layout, options, config=record.config)
 
     def restore_into(
@@ -512,9 +503,7 @@ class Checkpoints:
         record = self.record(step)
         if data is not None:
             check_data(record, data)
-        check_layer_order(record, trainer.model())
-        target = restore_target(trainer.state, trainer.layout.shardings())
-        trainer.state = self.restore_state(target, record.step)
+        trainer.state = self._read(trainer.state, trainer.layout, record.step)
         return trainer
 
     def files(self, step: int | None = None) -> list[tuple[str, int, str]]:

@@ -25,6 +25,11 @@ from nnxscale.moe import MoE, Routing
 
 LOGICAL_AXES = ("vocab", "embed", "heads", "head_dim", "mlp", "length", "layers", "experts")
 
+ROUNDS = "rounds"
+"""The logical name of the leading dimension of stacked layers held in rounds: an array of
+shape (rounds, layers / rounds, ...) whose layer k of round r is model layer
+r * layers / rounds + k, the model's own order (`group_layers`)."""
+
 HEADS = ("batch", "length", "heads", "head_dim")
 """Logical names of queries, keys and values (and the attention's output before projection)."""
 
@@ -285,6 +290,65 @@ def _stacked_blocks(cfg: Config, rngs: nnx.Rngs) -> Block:
     return create(rngs)
 
 
+def _names(variable: nnx.Variable) -> tuple[str | None, ...]:
+    return tuple(variable.get_metadata().get("out_sharding") or ())
+
+
+def _reshaped(value: Any, shape: tuple[int, ...]) -> Any:
+    """`value` (an array, or an abstract one) reshaped: the same elements in the same order."""
+    if isinstance(value, jax.ShapeDtypeStruct):
+        return jax.ShapeDtypeStruct(shape, value.dtype)
+    return jnp.reshape(value, shape)
+
+
+def _regrouped(variable: Any, rounds: int) -> Any:
+    """A stacked-layer variable held in `rounds` rounds (1: the plain stack); others as they are."""
+    if not isinstance(variable, nnx.Variable):
+        return variable
+    names, value = _names(variable), variable.get_value()
+    if names[:1] == (ROUNDS,):
+        names, shape = names[1:], (value.shape[0] * value.shape[1], *value.shape[2:])
+    elif names[:1] == ("layers",):
+        shape = tuple(value.shape)
+    else:
+        return variable
+    if shape[0] % rounds:
+        raise ValueError(
+            f"{shape[0]} stacked layers cannot be held in {rounds} equal rounds: use a number "
+            f"of rounds (virtual stages) that divides {shape[0]}."
+        )
+    if rounds > 1:
+        names, shape = (ROUNDS, *names), (rounds, shape[0] // rounds, *shape[1:])
+    if shape == tuple(value.shape):
+        return variable
+    held = variable.replace(_reshaped(value, shape))
+    held.set_metadata(out_sharding=names)
+    return held
+
+
+def group_layers(tree: Any, rounds: int) -> Any:
+    """`tree` (a model's state, a train state's, gradients) with every stacked-layer array
+    (logical names `layers, ...`) held in `rounds` rounds: shape (rounds, layers / rounds,
+    ...) named `rounds, layers, ...`; `rounds=1` gives the plain stacks back. The layers stay
+    in the model's order, so this is a reshape: an interleaved pipeline splits the second
+    dimension over its stages, and each device then holds one run of layers per round."""
+    return jax.tree.map(
+        lambda x: _regrouped(x, rounds), tree, is_leaf=lambda x: isinstance(x, nnx.Variable)
+    )
+
+
+def layer_rounds(tree: Any) -> int:
+    """In how many rounds `tree` holds its stacked layers (`group_layers`): 1 for plain stacks."""
+    found = {
+        int(x.get_value().shape[0])
+        for x in jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, nnx.Variable))
+        if isinstance(x, nnx.Variable) and _names(x)[:1] == (ROUNDS,)
+    }
+    if len(found) > 1:
+        raise ValueError(f"stacked layers held in different numbers of rounds: {sorted(found)}")
+    return found.pop() if found else 1
+
+
 BlockRunner = Callable[
     ["Transformer", jax.Array, "jax.Array | None"], "tuple[jax.Array, jax.Array | None]"
 ]
@@ -294,10 +358,6 @@ BlockRunner = Callable[
 
 class Transformer(nnx.Module):
     """Decoder-only language model: token and position embeddings, blocks, norm, output head."""
-
-    stored_order: tuple[int, ...] | None = None
-    """Which model layer each stored layer is, when a pipeline stores the stacked layers out of
-    order (`nnxscale.pipeline.placed`); None while they are in the model's own order."""
 
     def __init__(self, cfg: Config, *, rngs: nnx.Rngs) -> None:
         self.cfg = cfg
@@ -392,15 +452,9 @@ class Transformer(nnx.Module):
         return jnp.einsum("ble,ev->blv", x, head).astype(jnp.float32)
 
     def run_blocks(self, x: jax.Array, keys: jax.Array | None) -> tuple[jax.Array, jax.Array]:
-        """Every block in turn (a Python loop, or a scan over stacked blocks), remat if set;
-        the output and the sum of the layers' load-balancing losses."""
-        if self.stored_order is not None:
-            raise ValueError(
-                f"this model's layers are stored in a pipeline's order {self.stored_order}, "
-                "and run in that order they are another model: run it through "
-                "nnxscale.pipeline.loss_and_grads, or put them back with "
-                "nnxscale.pipeline.placed(model, mesh, virtual=1)"
-            )
+        """Every block in turn (a Python loop, or a scan over stacked blocks, held in rounds
+        or not: `group_layers`), remat if set; the output and the sum of the layers'
+        load-balancing losses."""
         policy = remat_policy(self.cfg.remat)
         apply: Callable[[Block, jax.Array, jax.Array | None], tuple[jax.Array, jax.Array]] = (
             nnx.remat(lambda block, h, key: block.with_aux(h, key), policy=REMAT_POLICIES[policy])
@@ -421,7 +475,15 @@ class Transformer(nnx.Module):
             h, aux = apply(block, carry[0], key)
             return h, carry[1] + aux
 
-        return run(self.blocks, (x, total), keys)
+        return run(plain_stack(self.blocks), (x, total), keys)
+
+
+def plain_stack(blocks: nnx.Module) -> nnx.Module:
+    """Stacked blocks as one stack of layers, whether or not they are held in rounds."""
+    graphdef, state = nnx.split(blocks)
+    if layer_rounds(state) == 1:
+        return blocks
+    return nnx.merge(graphdef, group_layers(state, 1))
 
 
 def create(cfg: Config, seed: int = 0) -> Transformer:

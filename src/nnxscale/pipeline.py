@@ -36,7 +36,7 @@ from nnxscale.hlo import branch_work
 from nnxscale.layout import resolve
 from nnxscale.losses import GradsFn
 from nnxscale.mesh import make_mesh
-from nnxscale.model import Transformer
+from nnxscale.model import Transformer, group_layers, layer_rounds
 from nnxscale.rules import FSDP_AXIS, PP, PP_FSDP, STAGE, Rules
 from nnxscale.schedules import (
     BACKWARD,
@@ -71,20 +71,6 @@ def rules_for(mesh: Mesh) -> Rules:
     return PP_FSDP if FSDP_AXIS in mesh.axis_names else PP
 
 
-def layer_order(layers: int, devices: int, virtual: int = 1) -> np.ndarray:
-    """Which model layer each stored layer is: device d's v stages d, d + p, ... side by side,
-    so that splitting the stored stack into p equal runs gives each device its stages."""
-    size = split_layers(layers, devices * virtual)[0].stop
-    return np.array(
-        [
-            (c * devices + d) * size + j
-            for d in range(devices)
-            for c in range(virtual)
-            for j in range(size)
-        ]
-    )
-
-
 def on_layers(fn: Callable[..., jax.Array], state: nnx.State, *more: nnx.State) -> nnx.State:
     """`fn` applied to the stacked layers' arrays (under `blocks`); the other arrays kept."""
 
@@ -94,32 +80,16 @@ def on_layers(fn: Callable[..., jax.Array], state: nnx.State, *more: nnx.State) 
     return jax.tree_util.tree_map_with_path(each, state, *more)
 
 
-def _permute_layers(state: nnx.State, order: np.ndarray) -> nnx.State:
-    """`state` with its stacked layers taken in `order`."""
-    return on_layers(lambda w: w[order], state)
-
-
-def in_model_order(state: nnx.State, devices: int, virtual: int = 1) -> nnx.State:
-    """Parameters or gradients in the executor's layout (`placed`) back in the model's order."""
-    order = layer_order(len(jax.tree.leaves(state["blocks"])[0]), devices, virtual)
-    return _permute_layers(state, np.argsort(order))
-
-
 def placed(model: Transformer, mesh: Mesh, virtual: int = 1) -> Transformer:
-    """`model` with its arrays moved into the layout the executor expects on `mesh`: with
-    `virtual` stages per device, the layers stored in `layer_order` (once, not every step).
-    The model records the order (`Transformer.stored_order`), so a schedule with another
-    `virtual` is refused, and placing a placed model again starts from the model's order."""
+    """`model` with its arrays moved into the layout the executor expects on `mesh`, once, not
+    every step: by `rules_for(mesh)`, with `virtual` stages per device the stacked layers held
+    in `virtual` rounds (`group_layers`), whose layer dimension `stage` splits, so that each
+    device holds one run of layers per round: its stages d, d + p, ... The layers stay in the
+    model's order, and the model runs them as it would (`Transformer.run_blocks`)."""
+    split_layers(model.cfg.layers, mesh.shape[STAGE] * virtual)  # raises if they do not divide
     graphdef, state = nnx.split(model)
-    if model.stored_order is not None:
-        state = _permute_layers(state, np.argsort(model.stored_order))
-    order = layer_order(model.cfg.layers, mesh.shape[STAGE], virtual)
-    natural = np.array_equal(order, np.arange(len(order)))  # v = 1, or one stage
-    if not natural:
-        state = _permute_layers(state, order)
-    out = nnx.merge(graphdef, place(state, resolve(state, rules_for(mesh), mesh).shardings()))
-    out.stored_order = None if natural else tuple(int(i) for i in order)
-    return out
+    state = group_layers(state, virtual)
+    return nnx.merge(graphdef, place(state, resolve(state, rules_for(mesh), mesh).shardings()))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -283,8 +253,17 @@ def _stage(
     return y, model.head_loss(y, tokens[:, 1:], None) * scale
 
 
+def _one_run(params: nnx.State, virtual: int) -> nnx.State:
+    """This device's stacked layers, held as (rounds, layers, ...), as one run of layers: its
+    stages side by side (a reshape of its own shards, nothing moves)."""
+    if virtual == 1:
+        return params
+    return on_layers(lambda w: w.reshape(-1, *w.shape[2:]), params)
+
+
 def _chunk(params: nnx.State, chunk: jax.Array, virtual: int) -> nnx.State:
-    """The weights of this device's virtual stage `chunk` (all of its layers when v = 1)."""
+    """The weights of this device's virtual stage `chunk` (all of its layers when v = 1), from
+    its layers as one run (`_one_run`)."""
     if virtual == 1:
         return params
     size = len(jax.tree.leaves(params["blocks"])[0]) // virtual
@@ -410,7 +389,7 @@ def per_device(
     # Once per step, before the ticks; the transposes of `stage_weights` run once after them, on
     # the summed gradients: reduce-scatter over `fsdp`, then the shards of the arrays every
     # stage holds (embeddings, head) summed over `stage`.
-    params, to_shards = jax.vjp(lambda s: stage_weights(s, specs, inner), shards)
+    params, to_shards = jax.vjp(lambda s: _one_run(stage_weights(s, specs, inner), virtual), shards)
     first = Branch(FORWARD, True, False, False)
     shape = jax.eval_shape(lambda: stage(params, None, tokens[0], branch=first)[0])
     varying = tuple(a for a in (STAGE, inner) if a)
@@ -442,14 +421,12 @@ def _check(model: Transformer, batch: jax.Array, schedule: Schedule, mesh: Mesh)
     if schedule.devices != p:
         raise ScheduleError(f"the schedule has {schedule.devices} stages, the mesh {p}")
     split_layers(model.cfg.layers, schedule.stages)  # raises if the layers do not divide
-    wanted = tuple(int(i) for i in layer_order(model.cfg.layers, p, schedule.virtual))
-    stored = model.stored_order or tuple(range(model.cfg.layers))
-    if wanted != stored:
+    rounds = layer_rounds(nnx.state(model))
+    if rounds != schedule.virtual:
         raise ScheduleError(
-            f"the schedule runs {schedule.virtual} virtual stage(s) per device, and the model's "
-            f"layers are not stored for it (stored order {stored}, needed {wanted}): "
-            f"place the model with nnxscale.pipeline.placed(model, mesh, "
-            f"virtual={schedule.virtual})"
+            f"the schedule runs {schedule.virtual} virtual stage(s) per device, and the model "
+            f"holds its layers in {rounds} round(s): place the model with "
+            f"nnxscale.pipeline.placed(model, mesh, virtual={schedule.virtual})"
         )
     if batch.shape[0] % m:
         raise ScheduleError(f"a batch of {batch.shape[0]} rows cannot make {m} micro-batches")
@@ -461,8 +438,9 @@ def loss_and_grads(
     """Mean loss and gradients of `model` on `batch`, pipelined by `schedule` over `stage`.
 
     The parameters must be laid out as `placed(model, mesh, schedule.virtual)` leaves them:
-    by `rules_for(mesh)` (`PP`, or `PP_FSDP` on a mesh with `stage` and `fsdp`), the layers in
-    `layer_order`; the gradients come back in the same layout (`in_model_order` undoes it).
+    by `rules_for(mesh)` (`PP`, or `PP_FSDP` on a mesh with `stage` and `fsdp`), the layers
+    held in `schedule.virtual` rounds; the gradients come back in the same layout
+    (`group_layers(grads, 1)` gives the plain stacks).
     """
     _check(model, batch, schedule, mesh)
     m = schedule.micro_batches

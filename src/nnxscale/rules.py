@@ -203,14 +203,21 @@ FSDP_TP = Rules(
 """TP over `model` and FSDP over `data`; `mlp` and `vocab` fall back to `data` when `model`
 does not divide them."""
 
-PP = Rules("PP", {**_REPLICATED, "layers": (STAGE,), "batch": ()}, axes=(STAGE,), sizes=(-1,))
-"""Pipeline parallelism: each block's layers split over `stage`, everything else replicated."""
+PP = Rules(
+    "PP",
+    {**_REPLICATED, "layers": (STAGE,), "rounds": (), "batch": ()},
+    axes=(STAGE,),
+    sizes=(-1,),
+)
+"""Pipeline parallelism: each block's layers split over `stage` (with virtual stages, the
+layers of each round: `nnxscale.pipeline.placed`), everything else replicated."""
 
 PP_FSDP = Rules(
     "PP+FSDP",
     {
         **_REPLICATED,
         "layers": (STAGE,),
+        "rounds": (),
         "batch": (FSDP_AXIS,),
         "embed": (FSDP_AXIS,),
         "mlp": (FSDP_AXIS,),
