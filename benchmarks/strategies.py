@@ -13,10 +13,10 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 
+from nnxscale import launch
 from nnxscale.model import Config, create
 
 MODEL = Config(vocab=1024, embed=256, heads=8, head_dim=32, mlp=1024, layers=4, max_len=128)
@@ -71,12 +71,9 @@ def main() -> None:
         return
     rows = []
     for n in args.devices:
-        env = {**os.environ, "NNXSCALE_DEVICES": str(n)}
         command = [sys.executable, __file__, "--worker", "--steps", str(args.steps)]
-        out = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
-        if out.returncode:
-            sys.exit(f"worker with {n} devices failed:\n{out.stderr[-3000:]}")
-        rows += [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+        out = launch.run(command, n, timeout=3600)
+        rows += [json.loads(line) for line in out.output if line.startswith("{")]
     params = rows[0]["total_state_bytes"]
     print(f"model: {MODEL}\nbatch {BATCH} x {LENGTH} tokens; train state {params / 2**20:.1f} MiB")
     print(f"cores: {os.cpu_count()}; median of {args.steps} steps\n")

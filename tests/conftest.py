@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from nnxscale.devices import emulate_devices
+from nnxscale.launch import Run, run
 
 from book import ROOT
 
@@ -19,16 +20,10 @@ TEST_DEVICES = 8
 emulate_devices(TEST_DEVICES)
 
 
-def run_python(code: str, **env: str) -> subprocess.CompletedProcess[str]:
-    """Run `code` in a fresh Python process (its own JAX backend) with extra environment."""
-    return subprocess.run(
-        [sys.executable, "-c", code],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, **env},
-        cwd=ROOT,
-    )
+def run_python(code: str, **env: str) -> Run:
+    """Run `code` in a fresh Python process (its own JAX backend) with extra environment; the
+    finished run, whatever its exit status."""
+    return run([sys.executable, "-c", code], env=env, check=False)
 
 
 def jupyter_book(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess[str]:

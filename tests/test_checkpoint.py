@@ -14,7 +14,7 @@ import optax
 import pytest
 from flax import nnx
 
-from nnxscale import cli, pipeline
+from nnxscale import cli, events, pipeline
 from nnxscale.checkpoint import (
     PARTIAL,
     CheckpointMismatchError,
@@ -116,8 +116,8 @@ def test_restores_in_another_process_with_half_the_devices(run, tmp_path) -> Non
     got = json.loads(report.read_text())
     assert got["devices"] == 4 and got["step"] == 8
     assert got["checksums"] == run["sums"][8]
-    (restored,) = cli.events(out, "restored")
-    assert restored["mesh"] == {"data": 4, "model": 1}
+    (restored,) = events.read(out, events.Restored)
+    assert restored.mesh == {"data": 4, "model": 1} and restored.saved["devices"] == 8
 
 
 def test_resumed_run_equals_the_uninterrupted_run(run) -> None:
@@ -281,10 +281,10 @@ def test_resume_from_the_command_line_after_a_crash(tmp_path: Path) -> None:
     crash = cli.crash_during_save(directory, steps=4, save_every=2, devices=4, batch_size=8)
     out = cli.run("train", str(directory), "--steps", "4", "--save-every", "2",
                   "--batch-size", "8", devices=4)  # fmt: skip
-    assert [e["step"] for e in cli.events(out, "resumed")] == [2]
-    redone = {e["step"]: e["loss"] for e in cli.events(out, "step")}
+    assert [e.step for e in events.read(out, events.Resumed)] == [2]
+    redone = {e.step: e.loss for e in events.read(out, events.Step)}
     assert redone == {2: crash.losses[2], 3: crash.losses[3]}
-    assert {e["step"]: e["sums"] for e in cli.events(out, "checksums")}[4] == crash.checksums[4]
+    assert {e.step: e.sums for e in events.read(out, events.Checksums)}[4] == crash.checksums[4]
     assert np.isfinite(list(redone.values())).all()
 
 

@@ -10,6 +10,7 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from nnxscale.events import Start
 from nnxscale.figures import (
     SUM,
     block_sources,
@@ -150,13 +151,17 @@ def test_fsdp_timeline_has_a_box_per_collective_and_pass(again: bool, boxes: int
 
 def test_topology_places_each_device_in_its_process(mesh) -> None:
     starts = [
-        {
-            "process": p,
-            "device_ids": list(range(4 * p, 4 * p + 4)),
-            "mesh_axes": ["data", "model"],
-            "mesh_device_ids": mesh.device_ids.tolist(),
-            "rows": [8 * p, 8 * p + 8],
-        }
+        Start(
+            process=p,
+            processes=2,
+            local_devices=4,
+            devices=8,
+            device_ids=list(range(4 * p, 4 * p + 4)),
+            mesh_axes=["data", "model"],
+            mesh_device_ids=mesh.device_ids.tolist(),
+            rows=[8 * p, 8 * p + 8],
+            batch_size=16,
+        )
         for p in (1, 0)
     ]
     ax = plot_topology(starts).axes[0]

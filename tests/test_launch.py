@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 import sys
 import threading
 import time
@@ -12,9 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from nnxscale import cli
+from nnxscale import events
 from nnxscale.cli import PROGRAM
-from nnxscale.launch import LaunchError, how_it_ended, launch, start
+from nnxscale.events import Hello
+from nnxscale.launch import LaunchError, how_it_ended, launch, run, start
 
 WORKER = [*PROGRAM, "collective"]
 SLEEPER = [sys.executable, "-c", "import os, time; print(os.getpid(), flush=True); time.sleep(60)"]
@@ -43,16 +43,14 @@ def test_processes_form_one_run(processes, devices) -> None:
     output = launch(WORKER, processes, devices, timeout=120, echo=None)
     total = processes * devices
     for index in range(processes):
-        hello = {"event": "hello", "process": index, "processes": processes,
-                 "local_devices": devices, "devices": total, "sum": total}  # fmt: skip
         mine = [line for line in output if line.startswith(f"[process {index}] ")]
-        assert cli.events(mine, "hello") == [hello]
+        assert events.read(mine, Hello) == [Hello(index, processes, devices, total, total)]
 
 
 def test_a_killed_worker_is_named_and_nothing_is_left() -> None:
     run = start([*WORKER, "--hold", "60"], 2, 2, echo=None)
     deadline = time.monotonic() + 120
-    while len(cli.events(list(run.output), "hello")) < 2:
+    while len(events.read(list(run.output), Hello)) < 2:
         assert time.monotonic() < deadline, run.output
         time.sleep(0.1)
     victim = run.workers[1].pid
@@ -81,24 +79,23 @@ def test_a_stop_request_stops_every_worker() -> None:
 
 def test_the_command_line_exits_non_zero_and_says_why() -> None:
     second_fails = "import os, sys; sys.exit(3 if os.environ['NNXSCALE_PROCESS_ID'] == '1' else 0)"
-    done = subprocess.run(
-        [*PROGRAM, "launch", "-n", "2", "--devices", "1", "--",
-         sys.executable, "-c", second_fails],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
-    assert done.returncode == 1
-    assert "launch failed: process 1 (pid" in done.stderr and "exit status 3" in done.stderr
+    done = run([*PROGRAM, "launch", "-n", "2", "--devices", "1", "--",
+                sys.executable, "-c", second_fails], timeout=120, check=False)  # fmt: skip
+    assert done.returncodes == [1]
+    assert "launch failed: process 1 (pid" in done.text and "exit status 3" in done.text
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="workers follow the launcher through Linux")
 @pytest.mark.parametrize("stop", [signal.SIGKILL, signal.SIGTERM], ids=["SIGKILL", "SIGTERM"])
 def test_workers_die_with_the_launcher(stop: signal.Signals) -> None:
-    launcher = subprocess.Popen(
-        [*PROGRAM, "launch", "-n", "2", "--devices", "1", "--", *SLEEPER],
-        stdout=subprocess.PIPE, text=True,
-    )  # fmt: skip
-    pids = [int(launcher.stdout.readline().split()[-1]) for _ in range(2)]
+    outer = start([*PROGRAM, "launch", "-n", "2", "--devices", "1", "--", *SLEEPER], echo=None)
+    deadline = time.monotonic() + 60
+    while len(outer.output) < 2:  # each worker prints its pid first
+        assert time.monotonic() < deadline, outer.output
+        time.sleep(0.05)
+    pids = [int(line.split()[-1]) for line in list(outer.output)[:2]]
     assert all(running(pid) for pid in pids)
+    (launcher,) = outer.workers
     launcher.send_signal(stop)
     assert launcher.wait(timeout=30) == (-stop if stop == signal.SIGKILL else 128 + stop)
     deadline = time.monotonic() + 10
@@ -115,11 +112,8 @@ def test_launching_from_a_process_running_jax_warns_of_nothing() -> None:
         "from nnxscale.launch import launch\n"
         "print(sorted(launch([sys.executable, '-c', 'print(7)'], 2, 1, echo=None)))"
     )  # sorted: output comes in the order it arrives, and either worker may print first
-    done = subprocess.run([sys.executable, "-W", "always", "-c", launches],
-                          capture_output=True, text=True, timeout=120)  # fmt: skip
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == "['[process 0] 7', '[process 1] 7']"
-    assert done.stderr == ""
+    done = run([sys.executable, "-W", "always", "-c", launches], timeout=120)
+    assert done.output == ["['[process 0] 7', '[process 1] 7']"]  # and no warning
 
 
 def test_a_command_that_cannot_run_is_named() -> None:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import ast
 import re
-import subprocess
 import sys
 import types
 from pathlib import Path
@@ -12,6 +11,7 @@ from pathlib import Path
 import pytest
 
 import nnxscale as nx
+from nnxscale.launch import run
 
 ROOT = Path(__file__).resolve().parents[1]
 CHAPTERS = sorted((ROOT / "chapters").glob("*.md"))
@@ -59,12 +59,9 @@ def test_importing_starts_no_backend_and_runs_without_warnings() -> None:
         "nx.emulate_devices(3)\n"
         "import jax; assert jax.device_count() == 3\n"
     )
-    subprocess.run([sys.executable, "-c", probe], check=True)
-    done = subprocess.run(
-        [sys.executable, "-W", "error", "-m", "nnxscale", "--help"],
-        capture_output=True, text=True, check=True,
-    )  # fmt: skip
-    assert "train" in done.stdout and not done.stderr
+    assert run([sys.executable, "-c", probe]).returncodes == [0]
+    done = run([sys.executable, "-W", "error", "-m", "nnxscale", "--help"])
+    assert "train" in done.text and "Warning" not in done.text
 
 
 @pytest.mark.parametrize("chapter", CHAPTERS, ids=lambda p: p.stem)

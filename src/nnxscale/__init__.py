@@ -22,6 +22,7 @@ from nnxscale import (
     data,
     devices,
     environment,
+    events,
     figures,
     formula,
     fsdp,
@@ -123,7 +124,7 @@ __all__ = [
 
 MODULES = (
     activations, calculator, checkpoint, cli, comm, context, costs, data, devices, environment,
-    figures, formula, fsdp, hlo, init, launch, layout, losses, machine, memory, mesh, model, moe,
-    params, pipeline, planner, rules, schedules, show, train, trees,
+    events, figures, formula, fsdp, hlo, init, launch, layout, losses, machine, memory, mesh, model,
+    moe, params, pipeline, planner, rules, schedules, show, train, trees,
 )  # fmt: skip
 """The modules, each reached as `nx.<module>`: the rest of the library, spelled with its home."""

@@ -3,22 +3,18 @@
 `python -m nnxscale train DIR ...` trains the book's model and checkpoints it into DIR;
 `python -m nnxscale restore DIR ...` restores the latest checkpoint of DIR onto a mesh of
 its own and reports checksums. A new process is the only way to get another device count:
-JAX fixes it when it starts. `run` launches one and returns its output; `crash_during_save`
-launches a training run and kills it while it writes a checkpoint.
+JAX fixes it when it starts. `run` starts one through the launcher (`nnxscale.launch`) and
+returns its output; `crash_during_save` starts a training run that kills itself while it
+writes a checkpoint.
 
-What a command reports, it prints as JSON lines, one event each: `{"event": KIND,
-"process": I, ...}`, where I is the JAX process index; `events` reads them back. The kinds:
+What a command reports, it prints as typed events (`nnxscale.events`), one JSON line each;
+`nnxscale.events.read` turns the output back into them:
 
-- train: `start` (`processes`, `local_devices`, `devices`, `rows` [start, stop] of each
-  batch of `batch_size` this process loads), `resumed` (`step`) when DIR held a checkpoint,
-  `step` (`step`, `loss`: the loss of that step, exactly, for every step), `checksums`
-  (`step`, `sums`: array path -> checksum, in one-process runs only) as a save of `step`
-  begins, `saving` (`step`, `blocked_seconds`) once the save writes in the background, and
-  `written` (`waited_seconds`) when every save is on disk.
-- restore: `restored` (`step`, `devices`, `platform`, `saved` {`rules`, `mesh`, `devices`},
-  `rules`, `mesh`, `seconds`, `bytes_per_device`, `total_bytes`, `embed` {`shape`, `spec`,
-  `shard_shape`}, `arrays`: how many were checksummed).
-- collective: `hello` (`processes`, `local_devices`, `devices`, `sum`).
+- train: `Start`, `Resumed` when DIR held a checkpoint, `Step` for every step, `Checksums`
+  (one-process runs only) as a save begins, `Saving` once it writes in the background, and
+  `Written` when every save is on disk.
+- restore: `Restored`.
+- collective: `Hello`.
 """
 
 from __future__ import annotations
@@ -27,13 +23,10 @@ import argparse
 import dataclasses
 import json
 import os
-import re
 import signal
-import subprocess
 import sys
-import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
+from nnxscale import events, launch
 from nnxscale.checkpoint import Checkpoints, checksums
 from nnxscale.data import book_batches
 from nnxscale.devices import emulate_devices
@@ -54,42 +48,10 @@ from nnxscale.train import Trainer, adamw
 PROGRAM = (sys.executable, "-m", "nnxscale")
 """The command line that starts the library's programs (`nnxscale.__main__`)."""
 
-PREFIX = re.compile(r"^\[process (\d+)\] ")
-"""What the launcher puts before each line of a worker's output."""
 
-
-def emit(event: str, **fields: Any) -> None:
-    """Print one event as a JSON line: `{"event": event, "process": index, **fields}`."""
-    print(json.dumps({"event": event, "process": jax.process_index(), **fields}), flush=True)
-
-
-def events(
-    lines: str | Iterable[str], kind: str | None = None, process: int | None = None
-) -> list[dict[str, Any]]:
-    """The events in a command's output (a string or its lines), optionally of one kind or process.
-
-    Lines that are not a JSON object with an `"event"` (warnings, logs) are skipped. A
-    launcher's `[process N] ` prefix is removed; an event without a `"process"` gets N.
-    """
-    found = []
-    for line in lines.splitlines() if isinstance(lines, str) else lines:
-        line = line.rstrip("\n")
-        prefix = PREFIX.match(line)
-        text = line[prefix.end() :] if prefix else line
-        try:
-            event = json.loads(text)
-        except ValueError:
-            continue
-        if not isinstance(event, dict) or "event" not in event:
-            continue
-        if prefix and "process" not in event:
-            event["process"] = int(prefix[1])
-        if kind is not None and event["event"] != kind:
-            continue
-        if process is not None and event.get("process") != process:
-            continue
-        found.append(event)
-    return found
+def tell(kind: type[events.Event], **fields: Any) -> None:
+    """Print an event of `kind` from this process (its JAX process index filled in)."""
+    events.emit(kind(process=jax.process_index(), **fields))
 
 
 def _train(args: argparse.Namespace) -> None:
@@ -102,12 +64,12 @@ def _train(args: argparse.Namespace) -> None:
             trainer = checkpoints.restore(
                 Transformer.from_config, adamw(), rules, mesh, data=batches
             )
-            emit("resumed", step=trainer.step_count())
+            tell(events.Resumed, step=trainer.step_count())
         else:
             trainer = Trainer.create(create(cfg), adamw(), rules, mesh)
         start, stop = batches.local_rows(trainer.batch_sharding)
-        emit(
-            "start",
+        tell(
+            events.Start,
             processes=jax.process_count(),
             local_devices=jax.local_device_count(),
             devices=jax.device_count(),
@@ -120,14 +82,14 @@ def _train(args: argparse.Namespace) -> None:
         while trainer.step_count() < args.steps:
             (loss,) = trainer.train(batches, 1)
             step = trainer.step_count()
-            emit("step", step=step - 1, loss=float(loss))  # JSON keeps every bit of a float
+            tell(events.Step, step=step - 1, loss=float(loss))  # JSON keeps every bit of a float
             if step % args.save_every == 0 or step == args.steps:
                 if jax.process_count() == 1:  # checksums need every shard in this process
-                    emit("checksums", step=step, sums=checksums(trainer.state))
-                emit("saving", step=step, blocked_seconds=checkpoints.save(trainer, batches))
+                    tell(events.Checksums, step=step, sums=checksums(trainer.state))
+                tell(events.Saving, step=step, blocked_seconds=checkpoints.save(trainer, batches))
                 if step == args.crash_during_save:  # a crash while the save is being written
                     os.kill(os.getpid(), signal.SIGKILL)
-        emit("written", waited_seconds=checkpoints.wait())
+        tell(events.Written, waited_seconds=checkpoints.wait())
 
 
 def _restore(args: argparse.Namespace) -> None:
@@ -144,8 +106,8 @@ def _restore(args: argparse.Namespace) -> None:
     layout = trainer.layout
     embed = trainer.state["model"]["embed"][...]
     sums = checksums(trainer.state)
-    emit(
-        "restored",
+    tell(
+        events.Restored,
         step=record.step,
         devices=jax.device_count(),
         platform=jax.devices()[0].platform,
@@ -179,8 +141,8 @@ def _collective(args: argparse.Namespace) -> None:
         NamedSharding(mesh, PartitionSpec("all")), np.ones(jax.local_device_count(), np.int32)
     )
     total = int(jax.jit(jnp.sum, out_shardings=NamedSharding(mesh, PartitionSpec()))(ones))
-    emit(
-        "hello",
+    tell(
+        events.Hello,
         processes=jax.process_count(),
         local_devices=jax.local_device_count(),
         devices=jax.device_count(),
@@ -224,14 +186,9 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 
 def run(*args: str, devices: int, timeout: float = 300) -> str:
-    """Run `python -m nnxscale ARGS` with `devices` devices; its output, or an error with it."""
-    command = [*PROGRAM, *args, "--devices", str(devices)]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
-    if done.returncode:
-        raise RuntimeError(
-            f"{' '.join(command[1:])} exited with {done.returncode}:\n{done.stdout}{done.stderr}"
-        )
-    return done.stdout
+    """Run `python -m nnxscale ARGS` with `devices` devices; its output, or a LaunchError
+    with its last lines."""
+    return launch.run([*PROGRAM, *args], devices, timeout=timeout).text
 
 
 @dataclasses.dataclass
@@ -239,8 +196,8 @@ class Crash:
     """What a training run killed during a save printed before it died."""
 
     output: list[str]
-    losses: dict[int, float]  # step -> loss, as `events(output, "step")` reports them
-    checksums: dict[int, dict[str, str]]  # step -> sums, from `events(output, "checksums")`
+    losses: dict[int, float]  # step -> loss, from its `Step` events
+    checksums: dict[int, dict[str, str]]  # step -> sums, from its `Checksums` events
     killed_at: int
     returncode: int
 
@@ -258,7 +215,7 @@ def crash_during_save(
 ) -> Crash:
     """Train to `steps`, saving every `save_every`; SIGKILL the process as its last save starts.
 
-    The process kills itself right after its last `saving` event, as soon as Orbax has taken
+    The process kills itself right after its last `Saving` event, as soon as Orbax has taken
     the state off the devices and the write has begun in a background thread: the kill lands
     while the files are written, without waiting for another process to react.
     """
@@ -266,8 +223,6 @@ def crash_during_save(
         *PROGRAM,
         "train",
         str(directory),
-        "--devices",
-        str(devices),
         "--rules",
         rules,
         "--steps",
@@ -281,26 +236,16 @@ def crash_during_save(
         "--crash-during-save",
         str(steps),
     ]
-    child = subprocess.Popen(
-        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1
-    )
-    timer = threading.Timer(timeout, child.kill)
-    timer.start()
-    try:
-        output = [line.rstrip("\n") for line in child.stdout]
-    finally:
-        timer.cancel()
-        if child.poll() is None:
-            child.kill()
-        child.wait()
-    killed = any(saving["step"] == steps for saving in events(output, "saving"))
-    sums = {event["step"]: event["sums"] for event in events(output, "checksums")}
-    if child.returncode == -signal.SIGKILL and not killed:
-        raise TimeoutError(f"{' '.join(command[1:])} ran over {timeout} s and was killed")
-    if child.returncode != -signal.SIGKILL:
+    done = launch.run(command, devices, timeout=timeout, check=False)
+    (returncode,) = done.returncodes
+    output = done.output
+    if returncode != -signal.SIGKILL or not any(
+        saving.step == steps for saving in events.read(output, events.Saving)
+    ):
         raise RuntimeError(
-            f"the training run ended with {child.returncode} before its step-{steps} save "
-            "could be interrupted:\n" + "\n".join(output)
+            f"the training run ended with {returncode} before its step-{steps} save could be "
+            "interrupted:\n" + "\n".join(output)
         )
-    losses = {event["step"]: event["loss"] for event in events(output, "step")}
-    return Crash(output, losses, sums, steps, child.returncode)
+    losses = {e.step: e.loss for e in events.read(output, events.Step)}
+    sums = {e.step: e.sums for e in events.read(output, events.Checksums)}
+    return Crash(output, losses, sums, steps, returncode)

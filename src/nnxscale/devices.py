@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
+
+from nnxscale.launch import run
 
 DEVICES_ENV = "NNXSCALE_DEVICES"
 DEFAULT_DEVICES = 8
@@ -46,16 +47,14 @@ def native_devices() -> tuple[int, str]:
     """How many devices JAX finds on its own, and their platform, asked of a fresh process
     (so that this one can still choose to emulate)."""
     probe = "import jax; d = jax.devices(); print(len(d), d[0].platform)"
-    done = subprocess.run(
-        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=600
-    )
-    if done.returncode:
+    done = run([sys.executable, "-c", probe], timeout=600, check=False)
+    if done.returncodes != [0]:
         raise RuntimeError(
             f"JAX could not start on its own devices ({DEVICES_ENV}={NATIVE}):\n"
-            f"{done.stderr[-2000:]}\nSet {DEVICES_ENV} to a count, such as 8, to emulate CPU "
+            f"{done.text[-2000:]}\nSet {DEVICES_ENV} to a count, such as 8, to emulate CPU "
             "devices instead."
         )
-    count, platform = done.stdout.split()[-2:]
+    count, platform = done.output[-1].split()
     return int(count), platform
 
 

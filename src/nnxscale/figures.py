@@ -14,6 +14,7 @@ from jax.sharding import Mesh
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 
+from nnxscale.events import Start
 from nnxscale.schedules import (
     FORWARD,
     WEIGHTS,
@@ -399,21 +400,21 @@ def plot_fsdp_timeline(layer_bytes: Sequence[int], gather_again: bool) -> Figure
     return fig
 
 
-def plot_topology(starts: Sequence[Mapping]) -> Figure:
-    """Processes, their devices and the global mesh, from each worker's "start" event: a box
+def plot_topology(starts: Sequence[Start]) -> Figure:
+    """Processes, their devices and the global mesh, from each worker's `Start` event: a box
     per process holding its devices, each labelled with its id and mesh position."""
-    starts = sorted(starts, key=lambda e: e["process"])
-    axes_names = starts[0]["mesh_axes"]
-    grid = np.array(starts[0]["mesh_device_ids"])
+    starts = sorted(starts, key=lambda e: e.process)
+    axes_names = starts[0].mesh_axes
+    grid = np.array(starts[0].mesh_device_ids)
     position = {int(d): idx for idx, d in np.ndenumerate(grid)}
-    per_process = max(len(e["device_ids"]) for e in starts)
+    per_process = max(len(e.device_ids) for e in starts)
     fig, ax = plt.subplots(figsize=(1.3 * per_process * len(starts) + 1.2, 2.4))
     x = 0.0
     for event in starts:
-        width = 1.2 * len(event["device_ids"]) + 0.4
+        width = 1.2 * len(event.device_ids) + 0.4
         ax.add_patch(plt.Rectangle((x, 0), width, 2.2, facecolor="0.93", edgecolor="black"))
-        rows = event.get("rows")
-        ax.text(x + width / 2, 1.95, f"process {event['process']}", ha="center", fontsize=10)
+        rows = event.rows
+        ax.text(x + width / 2, 1.95, f"process {event.process}", ha="center", fontsize=10)
         if rows:
             ax.text(
                 x + width / 2,
@@ -422,7 +423,7 @@ def plot_topology(starts: Sequence[Mapping]) -> Figure:
                 ha="center",
                 fontsize=8,
             )
-        for k, device in enumerate(event["device_ids"]):
+        for k, device in enumerate(event.device_ids):
             where = ", ".join(
                 f"{a}={i}" for a, i in zip(axes_names, position[int(device)], strict=True)
             )

@@ -1,10 +1,13 @@
-"""Start N local JAX processes that form one distributed run, and always tear them all down.
+"""Start local processes, and always tear them all down: the one way the library, its
+chapters, tests and benchmarks start another Python (or JAX) process.
 
-Each worker is a Python process with its own emulated CPU devices. The launcher picks a free
-port for the coordinator and passes each worker its part through the environment
-(`NNXSCALE_COORDINATOR`, `NNXSCALE_PROCESSES`, `NNXSCALE_PROCESS_ID`, `NNXSCALE_DEVICES`);
-the worker calls `initialize()` before anything else touches JAX. Output is streamed line by
-line with a `[process i]` prefix. When a worker fails (non-zero exit, killed by a signal) or
+`run` starts one process with its own emulated devices (`NNXSCALE_DEVICES`: JAX fixes the
+device count when it starts, so another count needs another process). `launch` starts N that
+form one distributed JAX run: the launcher picks a free port for the coordinator and passes
+each worker its part through the environment (`NNXSCALE_COORDINATOR`, `NNXSCALE_PROCESSES`,
+`NNXSCALE_PROCESS_ID`, `NNXSCALE_DEVICES`); the worker calls `initialize()` before anything
+else touches JAX. Output (stdout and stderr) is streamed line by line, with a `[process i]`
+prefix when there are several. When a worker fails (non-zero exit, killed by a signal) or
 the run takes longer than its timeout, the launcher kills every worker still running, waits
 for all of them, and raises `LaunchError` naming which worker ended how. Should the launcher
 itself die, even by SIGKILL, Linux kills its workers too: each worker starts as a small
@@ -95,25 +98,37 @@ class Run:
 
     workers: list[subprocess.Popen[str]]
     output: list[str] = dataclasses.field(default_factory=list)
+    """Every line the workers printed, in the order it arrived."""
     stop_requested: threading.Event = dataclasses.field(default_factory=threading.Event)
     """Set (from a signal handler, say) to stop the run: `wait` stops every worker and raises.
     A flag and not an exception, which could land inside `subprocess`'s own locking."""
     _readers: list[threading.Thread] = dataclasses.field(default_factory=list)
     _lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
 
-    def wait(self, timeout: float) -> list[str]:
-        """Wait for every worker; on the first failure or the timeout, kill the rest and raise."""
+    @property
+    def returncodes(self) -> list[int | None]:
+        """Each worker's exit status (negative: killed by that signal), None while it runs."""
+        return [w.poll() for w in self.workers]
+
+    @property
+    def text(self) -> str:
+        """The output as one string."""
+        return "\n".join(self.output)
+
+    def wait(self, timeout: float, *, check: bool = True) -> list[str]:
+        """Wait for every worker and return the output. On the first worker that fails (with
+        `check`) or at the timeout, kill the rest and raise LaunchError with the last lines."""
         deadline = time.monotonic() + timeout
         failure = None
         try:
             while True:
-                codes = [w.poll() for w in self.workers]  # poll every worker, every time
-                failed = [i for i, code in enumerate(codes) if code not in (None, 0)]
+                codes = self.returncodes  # poll every worker, every time
+                failed = [i for i, code in enumerate(codes) if check and code not in (None, 0)]
                 if failed:
                     i = failed[0]
                     failure = f"process {i} (pid {self.workers[i].pid}) {how_it_ended(codes[i])}"
                     break
-                if all(code == 0 for code in codes):
+                if all(code is not None for code in codes) and not failed:
                     break
                 if time.monotonic() > deadline:
                     failure = f"the run exceeded its timeout of {timeout:g} s"
@@ -141,34 +156,42 @@ class Run:
             reader.join(timeout=5)
 
 
+def _environment(
+    env: dict[str, str] | None, processes: int, index: int, devices: int | None, coordinator: str
+) -> dict[str, str]:
+    """Worker `index`'s environment: this one's with `env`, its devices and, in a run of
+    several processes, its part of the distributed run."""
+    worker_env = {**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"}
+    if devices is not None:
+        worker_env["NNXSCALE_DEVICES"] = str(devices)
+    if processes > 1:
+        worker_env.update(
+            {COORDINATOR: coordinator, PROCESSES: str(processes), PROCESS_ID: str(index)}
+        )
+    return worker_env
+
+
 def start(
     command: Sequence[str],
-    processes: int,
-    devices: int,
+    processes: int = 1,
+    devices: int | None = None,
     *,
     echo: Callable[[str], None] | None = print,
     env: dict[str, str] | None = None,
     stop: threading.Event | None = None,
 ) -> Run:
-    """Start `processes` copies of `command`, each with `devices` emulated devices.
+    """Start `processes` copies of `command`, each with `devices` emulated devices (None: as
+    the environment says); several form one distributed run.
 
     Call `wait` on the result from the same thread: on Linux a worker is killed when the
     thread that started it ends. Setting `stop` makes `wait` stop the run.
     """
-    if processes < 1 or devices < 1:
+    if processes < 1 or (devices is not None and devices < 1):
         raise ValueError(f"need at least 1 process and 1 device each, got {processes}, {devices}")
-    coordinator = f"localhost:{free_port()}"
+    coordinator = f"localhost:{free_port()}" if processes > 1 else ""
     run = Run([]) if stop is None else Run([], stop_requested=stop)
     for index in range(processes):
-        worker_env = {
-            **os.environ,
-            **(env or {}),
-            COORDINATOR: coordinator,
-            PROCESSES: str(processes),
-            PROCESS_ID: str(index),
-            "NNXSCALE_DEVICES": str(devices),
-            "PYTHONUNBUFFERED": "1",
-        }
+        worker_env = _environment(env, processes, index, devices, coordinator)
         worker = subprocess.Popen(
             guarded(command),
             stdout=subprocess.PIPE,
@@ -178,7 +201,9 @@ def start(
         )
         run.workers.append(worker)
 
-        def read(stream=worker.stdout, prefix=f"[process {index}] ") -> None:
+        prefix = f"[process {index}] " if processes > 1 else ""
+
+        def read(stream=worker.stdout, prefix=prefix) -> None:
             with stream:
                 for line in stream:
                     line = prefix + line.rstrip("\n")
@@ -205,6 +230,22 @@ def launch(
 ) -> list[str]:
     """Run `command` as `processes` workers of one distributed run; their prefixed output."""
     return start(command, processes, devices, echo=echo, env=env, stop=stop).wait(timeout)
+
+
+def run(
+    command: Sequence[str],
+    devices: int | None = None,
+    *,
+    timeout: float = 300,
+    env: dict[str, str] | None = None,
+    check: bool = True,
+) -> Run:
+    """Run `command` as one process with `devices` emulated devices (None: as the environment
+    says) and wait for it; the finished run (`output`, `returncodes`). With `check`, a
+    non-zero exit raises LaunchError with its last lines."""
+    finished = start(command, 1, devices, echo=None, env=env)
+    finished.wait(timeout, check=check)
+    return finished
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -1,0 +1,181 @@
+"""What the library's programs report, as typed events: one JSON line each on their output.
+
+A program in another process (`python -m nnxscale train`, `restore`, `collective`) prints
+each event as `{"event": KIND, "process": I, ...}`, I being its JAX process index; `read`
+turns a run's output back into the same dataclasses, whether or not the launcher put its
+`[process N] ` prefix before each line. The command line, the chapters' figures, the
+benchmarks and the tests all read these classes, so an event's fields are written once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from collections.abc import Iterable
+from typing import Any, ClassVar, TypeVar
+
+PREFIX = re.compile(r"^\[process (\d+)\] ")
+"""What the launcher puts before each line of a worker's output when it runs several."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Event:
+    """One thing a program reports; `process` is its JAX process index."""
+
+    kind: ClassVar[str] = ""
+    process: int
+
+    def line(self) -> str:
+        """The event as the JSON line a program prints."""
+        return json.dumps({"event": self.kind, **dataclasses.asdict(self)})
+
+
+@dataclasses.dataclass(frozen=True)
+class Start(Event):
+    """A training worker's first report: its devices, where they sit in the global mesh, and
+    the rows [start, stop) of each batch of `batch_size` that this process loads."""
+
+    kind: ClassVar[str] = "start"
+    processes: int
+    local_devices: int
+    devices: int
+    device_ids: list[int]
+    mesh_axes: list[str]
+    mesh_device_ids: list[Any]
+    rows: list[int]
+    batch_size: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Resumed(Event):
+    """Training resumed from the checkpoint of `step`."""
+
+    kind: ClassVar[str] = "resumed"
+    step: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Step(Event):
+    """The loss of one training step, exactly (JSON keeps every bit of a float)."""
+
+    kind: ClassVar[str] = "step"
+    step: int
+    loss: float
+
+
+@dataclasses.dataclass(frozen=True)
+class Checksums(Event):
+    """Array path -> checksum of the state whose save of `step` begins (one process only)."""
+
+    kind: ClassVar[str] = "checksums"
+    step: int
+    sums: dict[str, str]
+
+    def __repr__(self) -> str:
+        return (
+            f"Checksums(process={self.process}, step={self.step}, sums=<{len(self.sums)} arrays>)"
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class Saving(Event):
+    """The save of `step` writes in the background; training waited `blocked_seconds`."""
+
+    kind: ClassVar[str] = "saving"
+    step: int
+    blocked_seconds: float
+
+
+@dataclasses.dataclass(frozen=True)
+class Written(Event):
+    """Every save is on disk, after `waited_seconds` of waiting at the end."""
+
+    kind: ClassVar[str] = "written"
+    waited_seconds: float
+
+
+@dataclasses.dataclass(frozen=True)
+class Restored(Event):
+    """A checkpoint restored onto this process's mesh: what was saved, what it became."""
+
+    kind: ClassVar[str] = "restored"
+    step: int
+    devices: int
+    platform: str
+    saved: dict[str, Any]
+    rules: str
+    mesh: dict[str, int]
+    seconds: float
+    bytes_per_device: int
+    total_bytes: int
+    embed: dict[str, Any]
+    arrays: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Hello(Event):
+    """A launched worker's sum of one number per device over every process."""
+
+    kind: ClassVar[str] = "hello"
+    processes: int
+    local_devices: int
+    devices: int
+    sum: int
+
+
+KINDS: dict[str, type[Event]] = {
+    cls.kind: cls for cls in (Start, Resumed, Step, Checksums, Saving, Written, Restored, Hello)
+}
+"""Every kind of event, by the name its JSON line carries."""
+
+E = TypeVar("E", bound=Event)
+
+
+def emit(event: Event) -> None:
+    """Print `event` as one JSON line, at once (a launcher reads it while the program runs)."""
+    print(event.line(), flush=True)
+
+
+def parse(line: str) -> Event | None:
+    """The event on one output line, or None for a line that is not one (a log, a warning).
+
+    A launcher's `[process N] ` prefix is removed; an event without a `process` gets N. A
+    JSON object naming a kind of event this library does not have, or with other fields,
+    is an error that names it, not a line to skip.
+    """
+    prefix = PREFIX.match(line)
+    text = line[prefix.end() :] if prefix else line
+    try:
+        fields = json.loads(text)
+    except ValueError:
+        return None
+    if not isinstance(fields, dict) or "event" not in fields:
+        return None
+    kind = fields.pop("event")
+    if kind not in KINDS:
+        raise ValueError(f"unknown event {kind!r} in {line!r}; the kinds are {sorted(KINDS)}")
+    if prefix and "process" not in fields:
+        fields["process"] = int(prefix[1])
+    try:
+        return KINDS[kind](**fields)
+    except TypeError as error:
+        raise ValueError(
+            f"a {kind!r} event with other fields than {KINDS[kind]}: {line!r}"
+        ) from error
+
+
+def read(
+    output: str | Iterable[str], kind: type[E] | None = None, process: int | None = None
+) -> list[E]:
+    """The events in a run's output (a string or its lines), in order, optionally only those
+    of one class (`Step`, `Start`, ...) or one process."""
+    lines = output.splitlines() if isinstance(output, str) else output
+    found = [parse(line.rstrip("\n")) for line in lines]
+    return [
+        e
+        for e in found
+        if e is not None
+        and (kind is None or isinstance(e, kind))
+        and (process is None or e.process == process)
+    ]
