@@ -133,32 +133,60 @@ def test_compiler_inserted_collectives_are_counted():
     assert report.bytes("all-reduce") == 2 * 1 / 2 * (4 * 4 * 4)  # (4, 4) f32 over model pairs
 
 
-ASYNC_HLO = """
-HloModule jit_f, num_partitions=8
+ADD = """%add (x: f32[], y: f32[]) -> f32[] {
+  %x = f32[] parameter(0)
+  %y = f32[] parameter(1)
+  ROOT %s = f32[] add(%x, %y)
+}
 
+%addb (x: bf16[], y: bf16[]) -> bf16[] {
+  %x = bf16[] parameter(0)
+  %y = bf16[] parameter(1)
+  ROOT %s = bf16[] add(%x, %y)
+}
+"""
+
+ASYNC_HLO = (
+    """HloModule jit_f, num_partitions=8
+
+"""
+    + ADD
+    + """
 %body (p: (s32[], f32[8])) -> (s32[], f32[8]) {
   %p = (s32[], f32[8]{0}) parameter(0)
-  %x = f32[1]{0} get-tuple-element(%p), index=1
-  %all-gather-start = (f32[1]{0}, f32[8]{0}) all-gather-start(f32[1]{0} %x), channel_id=1, replica_groups=[1,8]<=[8], dimensions={0}
-  %all-gather-done = f32[8]{0} all-gather-done((f32[1]{0}, f32[8]{0}) %all-gather-start)
-  ROOT %t = (s32[], f32[8]{0}) tuple(%i, %all-gather-done)
+  %i = s32[] get-tuple-element(%p), index=0
+  %x = f32[8]{0} get-tuple-element(%p), index=1
+  %part = f32[1]{0} slice(%x), slice={[0:1]}
+  %all-gather-start = (f32[1]{0}, f32[8]{0}) all-gather-start(%part), channel_id=1, replica_groups=[1,8]<=[8], dimensions={0}
+  %all-gather-done = f32[8]{0} all-gather-done(%all-gather-start)
+  %one = s32[] constant(1)
+  %next = s32[] add(%i, %one)
+  ROOT %t = (s32[], f32[8]{0}) tuple(%next, %all-gather-done)
 }
 
 %cond (p: (s32[], f32[8])) -> pred[] {
+  %p = (s32[], f32[8]{0}) parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  %n = s32[] constant(3)
   ROOT %lt = pred[] compare(%i, %n), direction=LT
 }
 
 ENTRY %main (a: f32[8], b: bf16[4,4]) -> f32[8] {
   %a = f32[8]{0} parameter(0)
   %b = bf16[4,4]{1,0} parameter(1)
-  %all-reduce-start = bf16[4,4]{1,0} all-reduce-start(%b), replica_groups={{0,1},{2,3},{4,5},{6,7}}, to_apply=%add
+  %all-reduce-start = bf16[4,4]{1,0} all-reduce-start(%b), channel_id=2, replica_groups={{0,1},{2,3},{4,5},{6,7}}, to_apply=%addb
   %all-reduce-done = bf16[4,4]{1,0} all-reduce-done(%all-reduce-start)
-  %cp-start = (f32[8]{0}, f32[8]{0}, u32[], u32[]) collective-permute-start(%a), source_target_pairs={{0,1},{1,0}}
+  %cp-start = (f32[8]{0}, f32[8]{0}, u32[], u32[]) collective-permute-start(%a), channel_id=3, source_target_pairs={{0,1},{1,0}}
   %cp-done = f32[8]{0} collective-permute-done(%cp-start)
+  %zero = s32[] constant(0)
+  %init = (s32[], f32[8]{0}) tuple(%zero, %a)
   %w = (s32[], f32[8]{0}) while(%init), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"3"}}
-  ROOT %r = f32[8]{0} add(%cp-done, %a)
+  %looped = f32[8]{0} get-tuple-element(%w), index=1
+  %sum = f32[8]{0} add(%cp-done, %looped)
+  ROOT %r = f32[8]{0} add(%sum, %a)
 }
-"""  # noqa: E501
+"""
+)
 
 
 def test_async_start_done_pairs_count_once_with_the_done_shape():
@@ -172,22 +200,27 @@ def test_async_start_done_pairs_count_once_with_the_done_shape():
 
 
 def test_replica_group_spellings():
-    text = """ENTRY %main (a: f32[8]) -> f32[8] {
+    text = (
+        "HloModule m, num_partitions=8\n\n"
+        + ADD
+        + """
+ENTRY %main (a: f32[8]) -> f32[8] {
   %a = f32[8]{0} parameter(0)
-  %r1 = f32[8]{0} all-reduce(%a), replica_groups=[2,4]<=[8], to_apply=%add
-  %r2 = f32[8]{0} all-reduce(%a), replica_groups=[4,2]<=[2,4]T(1,0), to_apply=%add
-  %r3 = f32[8]{0} all-reduce(%a), replica_groups={{0,1,2},{3,4,5}}, to_apply=%add
-  %r4 = f32[8]{0} all-reduce(%a), replica_groups=mesh['x'=2,'y'=2,'z'=2], device_ids=([8]) {'x','z'}, to_apply=%add
-  ROOT %r5 = f32[8]{0} all-reduce(%a), replica_groups={}, to_apply=%add
-}"""  # noqa: E501
+  %r1 = f32[8]{0} all-reduce(%a), channel_id=1, replica_groups=[2,4]<=[8], use_global_device_ids=true, to_apply=%add
+  %r2 = f32[8]{0} all-reduce(%r1), channel_id=2, replica_groups=[4,2]<=[2,4]T(1,0), use_global_device_ids=true, to_apply=%add
+  %r3 = f32[8]{0} all-reduce(%r2), channel_id=3, replica_groups={{0,1,2},{3,4,5}}, use_global_device_ids=true, to_apply=%add
+  %r4 = f32[8]{0} all-reduce(%r3), channel_id=4, replica_groups=mesh['x'=2,'y'=2,'z'=2] {'x','z'}, use_global_device_ids=true, to_apply=%add
+  ROOT %r5 = f32[8]{0} all-reduce(%r4), replica_groups={}, to_apply=%add
+}"""
+    )
     found = sorted(collectives(text).collectives, key=lambda c: c.name)
-    assert [c.group_size for c in found] == [4, 2, 3, 4, 1]  # none listed: all partitions (1)
+    assert [c.group_size for c in found] == [4, 2, 3, 4, 8]  # none listed: all partitions
     assert [c.groups for c in found] == [
         ((0, 1, 2, 3), (4, 5, 6, 7)),
         ((0, 4), (1, 5), (2, 6), (3, 7)),
         ((0, 1, 2), (3, 4, 5)),
         ((0, 1, 4, 5), (2, 3, 6, 7)),  # devices along x and z of a (2, 2, 2) mesh
-        ((0,),),
+        tuple([tuple(range(8))]),
     ]
 
 
@@ -221,7 +254,7 @@ def test_shape_bytes():
 
 
 def test_errors_name_the_problem():
-    with pytest.raises(ValueError, match="no ENTRY computation"):
+    with pytest.raises(ValueError, match="not an HLO module"):
         collectives("this is not HLO")
     with pytest.raises(ValueError, match="unknown collective 'broadcast'"):
         collectives(ASYNC_HLO).count("broadcast")
@@ -276,7 +309,8 @@ def test_branch_work_reads_each_switch_branch_off_the_program() -> None:
 def test_a_collective_keeps_its_result_shape(ring, vector):
     program = jax.jit(lambda x: jnp.sum(x)).lower(vector).compile()
     (found,) = collectives(program).collectives
-    assert found.shape.startswith("f32[]")
+    assert found.shape.startswith("f32[]") and found.dtypes == ("f32",) and found.arrays == ((),)
+    assert found.signature == "f32[]"
 
 
 def test_a_collective_knows_the_dimensions_of_each_array_it_moves() -> None:
@@ -302,17 +336,20 @@ def test_a_collective_knows_the_shapes_that_read_it() -> None:
     )
     report = collectives(jax.jit(body).lower(jnp.ones(16)).compile())
     (reduced,) = [c for c in report.collectives if c.kind == "all-reduce"]
-    assert {r.split("{")[0] for r in reduced.readers} == {"f32[2]"}
+    assert set(reduced.reader_arrays) == {(2,)}
 
 
 def test_the_cpu_compiler_keeps_an_all_reduce_that_each_device_slices() -> None:
-    """XLA's CPU pipeline, from its own pass log: it partitions, and it has no pass that
-    would turn an all-reduce read only into each device's slice into a reduce-scatter."""
-    log = compiler_passes("cpu", 4)
-    assert log.platform == "cpu" and "spmd-partitioning" in log.passes
-    assert "reduce-scatter-creator" not in log.passes
-    (reduced,) = collectives(log.program).collectives
+    """XLA's CPU pipeline, from its own dump: the partitioner writes an all-reduce that each
+    device slices, and no pass after it changes that into a reduce-scatter."""
+    dump = compiler_passes("cpu", 4)
+    assert dump.platform == "cpu" and "spmd-partitioning" in dump.passes
+    kinds = [{c.kind for c in collectives(module).collectives} for _, module in dump.steps]
+    first = next(i for i, found in enumerate(kinds) if found)
+    assert dump.steps[first][0] == "spmd-partitioning" and first < len(kinds) - 1
+    assert all(found == {"all-reduce"} for found in kinds[first:])
+    (reduced,) = collectives(dump.program).collectives
     assert reduced.kind == "all-reduce" and reduced.arrays == ((16,),)
-    assert {r.split("{")[0] for r in reduced.readers} == {"f32[4]"}
+    assert set(reduced.reader_arrays) == {(4,)}
     with pytest.raises(RuntimeError, match="compiling on nowhere failed"):
         compiler_passes("nowhere")

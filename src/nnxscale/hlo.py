@@ -1,33 +1,32 @@
-"""Collectives counted in compiled HLO text: kinds, executions per call and bytes sent."""
+"""Analyses of a compiled program: its collectives (kinds, executions per call, bytes sent),
+matrix-product FLOPs, the work of each branch of a conditional, its largest array.
+
+Each reads the program through `nnxscale.program.Program` (XLA's own module and instruction
+graph); what is parsed here is what an instruction's text alone holds: shapes, replica
+groups, source-target pairs and contracting dimensions."""
 
 from __future__ import annotations
 
-import functools
 import itertools
 import math
-import os
 import re
-import subprocess
 import sys
+import tempfile
 from collections import Counter
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 from jax.sharding import Mesh
 
 from nnxscale.comm import KINDS, ring_bytes
+from nnxscale.launch import run
+from nnxscale.program import Instruction, Program
 from nnxscale.show import table
 
 SPECIAL_BITS = {"pred": 8, "token": 0}
 _ARRAY = re.compile(r"\b([a-z]+[0-9a-z]*)\[([^\]]*)\]")
-_HEADER = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
-_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$")
-_CALLEES = re.compile(
-    r"\b(body|condition|calls|to_apply|true_computation|false_computation)=%?([\w.\-]+)"
-)
-_BRANCHES = re.compile(r"\bbranch_computations=\{([^}]*)\}")
-_TRIP_COUNT = re.compile(r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"(\d+)"')
 _IOTA = r"\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?"
 _IOTA_GROUPS = re.compile(r"replica_groups=" + _IOTA)
 _LIST_GROUPS = re.compile(r"replica_groups=\{((?:\{[\d,]*\},?)*)\}")
@@ -53,70 +52,6 @@ def dtype_bits(dtype: str) -> int:
     if width is None:
         raise ValueError(f"unknown HLO element type {dtype!r}")
     return int(width.group(1))
-
-
-@dataclass(frozen=True)
-class _Instruction:
-    name: str
-    shape: str
-    opcode: str
-    operands: str
-    attributes: str
-
-
-def _balanced(text: str, start: int) -> int:
-    """Index just past the bracket group that opens at `text[start]`."""
-    depth = 0
-    for i in range(start, len(text)):
-        if text[i] in "({":
-            depth += 1
-        elif text[i] in ")}":
-            depth -= 1
-            if depth == 0:
-                return i + 1
-    return len(text)
-
-
-def _parse_instruction(line: str) -> _Instruction | None:
-    match = _INSTRUCTION.match(line)
-    if not match:
-        return None
-    name, rest = match.groups()
-    end = _balanced(rest, 0) if rest.startswith("(") else rest.find(" ")
-    shape, rest = rest[:end], rest[end:].lstrip()
-    paren = rest.find("(")
-    if paren <= 0:
-        return None
-    opcode = rest[:paren]
-    close = _balanced(rest, paren)
-    return _Instruction(name, shape, opcode, rest[paren + 1 : close - 1], rest[close:])
-
-
-@functools.lru_cache(maxsize=4)
-def _computations(text: str) -> tuple[dict[str, list[_Instruction]], str]:
-    """The HLO module's computations by name, and the name of its entry computation (parsed
-    once per program text: callers only read the result)."""
-    computations: dict[str, list[_Instruction]] = {}
-    entry, current = "", None
-    for line in text.splitlines():
-        header = _HEADER.match(line)
-        if header and "=" not in line.split("(", 1)[0]:
-            current = header.group(2)
-            computations[current] = []
-            entry = current if header.group(1) else entry
-        elif line.startswith("}"):
-            current = None
-        elif current is not None and (instruction := _parse_instruction(line)):
-            computations[current].append(instruction)
-    if not entry:
-        raise ValueError("no ENTRY computation found: pass compiled HLO text (compiled.as_text())")
-    return computations, entry
-
-
-def _first_operand(operands: str) -> str:
-    """Name of the first operand, whether or not the text prints operand shapes."""
-    named = re.findall(r"%([\w.\-]+)", operands)
-    return named[0] if named else operands.split(",")[0].split()[-1]
 
 
 def _ints(text: str | None) -> list[int]:
@@ -176,12 +111,9 @@ def largest_array(program: object) -> tuple[int, str]:
     In an SPMD-partitioned program every shape is per device, so this bounds what one device
     ever holds in a single buffer: evidence that no device materialises an unsharded array.
     """
-    text = program if isinstance(program, str) else program.as_text()
-    computations, _ = _computations(text)
     sizes = [
         (max(shape_bytes(f"{d}[{dims}]") for d, dims in arrays), f"{name}: {ins.name}")
-        for name, instructions in computations.items()
-        for ins in instructions
+        for name, ins in Program.of(program).instructions()
         if (arrays := _ARRAY.findall(ins.shape))
     ]
     return max(sizes) if sizes else (0, "")
@@ -192,13 +124,10 @@ def result_types(program: object) -> dict[str, int]:
 
     Evidence of the precision a program computes in: a bfloat16 model shows bf16 results.
     """
-    text = program if isinstance(program, str) else program.as_text()
-    computations, _ = _computations(text)
     found: dict[str, int] = {}
-    for instructions in computations.values():
-        for ins in instructions:
-            for dtype in {d for d, _ in _ARRAY.findall(ins.shape)}:
-                found[dtype] = found.get(dtype, 0) + 1
+    for _, ins in Program.of(program).instructions():
+        for dtype in {d for d, _ in _ARRAY.findall(ins.shape)}:
+            found[dtype] = found.get(dtype, 0) + 1
     return dict(sorted(found.items()))
 
 
@@ -240,6 +169,22 @@ class Collective:
         """The dimensions of each array in its result (several when it works on a tuple): what
         a chapter matches against the arrays it expects, e.g. a weight's shard."""
         return tuple(tuple(_ints(dims)) for _, dims in _ARRAY.findall(self.shape))
+
+    @property
+    def dtypes(self) -> tuple[str, ...]:
+        """The element type of each array in its result: `f32`, `bf16`, `s32`, ..."""
+        return tuple(dtype for dtype, _ in _ARRAY.findall(self.shape))
+
+    @property
+    def signature(self) -> str:
+        """Its arrays as HLO writes their types, without layouts: `f32[16,32,64]`."""
+        return ", ".join(f"{dtype}[{dims}]" for dtype, dims in _ARRAY.findall(self.shape))
+
+    @property
+    def reader_arrays(self) -> tuple[tuple[int, ...], ...]:
+        """The dimensions of what each instruction that reads its result produces: an
+        all-reduce read only into this device's slice is a reduce-scatter in all-reduce form."""
+        return tuple(tuple(_ints(_ARRAY.findall(r)[0][1])) for r in self.readers)
 
     @property
     def array_bytes(self) -> int:
@@ -314,98 +259,55 @@ class CollectiveReport:
         return f"CollectiveReport({parts or 'no collectives'})"
 
 
-def _walk(
-    text: str, start: str | None = None
-) -> Iterator[tuple[str, _Instruction, int, list[_Instruction]]]:
-    """Every instruction a call of the program (or of computation `start`) runs, with how many
-    times it runs: once per loop iteration (the trip count XLA records on a while loop; a loop
-    without one counts once), branches of a conditional as if they ran. Yields (computation,
-    instruction, executions, the computation's instructions)."""
-    computations, entry = _computations(text)
-    entry = start or entry
-
-    def visit(name: str, executions: int, path: tuple[str, ...]):
-        instructions = computations.get(name, [])
-        for ins in instructions:
-            yield name, ins, executions, instructions
-            if ins.opcode.endswith("-done"):
-                continue
-            trip = _TRIP_COUNT.search(ins.attributes)
-            callees = [(role, callee) for role, callee in _CALLEES.findall(ins.attributes)]
-            for branches in _BRANCHES.findall(ins.attributes):
-                callees += [("branch", b.strip().lstrip("%")) for b in branches.split(",")]
-            for role, callee in callees:
-                if callee in path:
-                    continue
-                times = int(trip.group(1)) if trip and role in ("body", "condition") else 1
-                yield from visit(callee, executions * times, (*path, callee))
-
-    yield from visit(entry, 1, (entry,))
-
-
 def collectives(program: object) -> CollectiveReport:
-    """Collectives of a compiled program (a `jax.stages.Compiled` or its `as_text()`).
+    """Collectives of a compiled program (a `jax.stages.Compiled` or HLO text).
 
     A collective inside a while loop (a scan) counts once per iteration, using the trip count
     XLA records on the loop (a loop without one counts once); an async start/done pair counts
-    once; a collective in a branch of a conditional counts as if its branch ran.
+    once, with the done's result; a collective in a branch of a conditional counts as if its
+    branch ran.
     """
-    text = program if isinstance(program, str) else program.as_text()
-    partitions = re.search(r"num_partitions=(\d+)", text)
-    num_partitions = int(partitions.group(1)) if partitions else 1
+    read = Program.of(program)
     found: dict[tuple[str, str], Collective] = {}
-    done_shapes: dict[str, dict[str, str]] = {}  # per computation: start name -> done shape
-    done_names: dict[str, dict[str, str]] = {}  # per computation: start name -> done name
-    readers: dict[str, dict[str, list[str]]] = {}  # per computation: operand -> reader shapes
-    for name, ins, executions, instructions in _walk(text):
+    for name, ins, executions in read.walk():
         kind = ins.opcode.removesuffix("-start")
         if kind not in KINDS or ins.opcode.endswith("-done"):
             continue
-        if name not in done_shapes:
-            dones = [i for i in instructions if i.opcode.endswith("-done")]
-            done_shapes[name] = {_first_operand(i.operands): i.shape for i in dones}
-            done_names[name] = {_first_operand(i.operands): i.name for i in dones}
-            readers[name] = _readers(instructions)
-        shape = done_shapes[name].get(ins.name, ins.shape)
-        result = done_names[name].get(ins.name, ins.name)
+        computation = read.computations[name]
+        done = next(
+            (computation[u] for u in ins.users if computation[u].opcode.endswith("-done")), ins
+        )
         key = (name, ins.name)
         previous = found.get(key)
         found[key] = Collective(
             kind=kind,
             name=ins.name,
             computation=name,
-            result_bytes=shape_bytes(shape),
-            groups=_replica_groups(ins.attributes, num_partitions),
+            result_bytes=shape_bytes(done.shape),
+            groups=_replica_groups(ins.attributes, read.partitions),
             executions=executions + (previous.executions if previous else 0),
             sends=_sends(kind, ins.attributes),
-            shape=shape,
-            readers=tuple(readers[name].get(result, ())),
+            shape=done.shape,
+            readers=tuple(computation[u].shape for u in done.users),
         )
-    return CollectiveReport(list(found.values()), num_partitions)
-
-
-_OPERAND = re.compile(r"%([\w.\-]+)")
-
-
-def _readers(instructions: list[_Instruction]) -> dict[str, list[str]]:
-    """For each instruction's name, the result shapes of the instructions that read it."""
-    found: dict[str, list[str]] = {}
-    for ins in instructions:
-        for operand in set(_OPERAND.findall(ins.operands)):
-            found.setdefault(operand, []).append(ins.shape)
-    return found
+    return CollectiveReport(list(found.values()), read.partitions)
 
 
 _CONTRACTING = re.compile(r"lhs_contracting_dims=\{([\d,]*)\}")
 
 
-def _flops(ins: _Instruction, instructions: list[_Instruction]) -> int:
+def _flops(ins: Instruction, computation: dict[str, Instruction]) -> int:
     """2 x the output's elements x the contracted size of one dot."""
-    shapes = {i.name: i.shape for i in instructions}
-    lhs = shapes.get(_first_operand(ins.operands)) or ins.operands
-    dims = _ints(_ARRAY.findall(lhs)[0][1])
+    dims = _ints(_ARRAY.findall(computation[ins.operands[0]].shape)[0][1])
     contracted = math.prod(dims[i] for i in _ints(_CONTRACTING.search(ins.attributes)[1]))
     return 2 * math.prod(_ints(_ARRAY.findall(ins.shape)[0][1])) * contracted
+
+
+def _dots(read: Program, start: str | None = None) -> Iterator[tuple[int, int]]:
+    """(executions, FLOPs) of every dot a call of the program (or of `start`) runs."""
+    for name, ins, executions in read.walk(start):
+        if ins.opcode == "dot":
+            yield executions, _flops(ins, read.computations[name])
 
 
 def dot_flops(program: object) -> int:
@@ -415,12 +317,7 @@ def dot_flops(program: object) -> int:
     Elementwise work is left out, which is what the 6 N T formula counts; XLA's own
     `cost_analysis()` adds it, and counts a loop's body once whatever its trip count.
     """
-    text = program if isinstance(program, str) else program.as_text()
-    return sum(
-        executions * _flops(ins, instructions)
-        for _, ins, executions, instructions in _walk(text)
-        if ins.opcode == "dot"
-    )
+    return sum(executions * flops for executions, flops in _dots(Program.of(program)))
 
 
 @dataclass(frozen=True)
@@ -434,22 +331,20 @@ class BranchWork:
 def branch_work(program: object) -> list[BranchWork]:
     """The work of each branch of the program's conditional with the most branches (a
     `lax.switch`), in branch order: which branch computes what, read off the compiled code."""
-    text = program if isinstance(program, str) else program.as_text()
+    read = Program.of(program)
     conditionals = [
-        [b.strip().lstrip("%") for b in found.split(",")]
-        for _, ins, _, _ in _walk(text)
-        for found in _BRANCHES.findall(ins.attributes)
+        [callee for role, callee in ins.callees() if role == "branch"]
+        for _, ins, _ in read.walk()
+        if ins.opcode == "conditional"
     ]
     if not conditionals:
         raise ValueError("the program has no conditional (no lax.switch or lax.cond)")
     work = []
     for branch in max(conditionals, key=len):
-        flops, opcodes = 0, Counter()
-        for _, ins, executions, instructions in _walk(text, branch):
+        opcodes = Counter()
+        for _, ins, executions in read.walk(branch):
             opcodes[ins.opcode] += executions
-            if ins.opcode == "dot":
-                flops += executions * _flops(ins, instructions)
-        work.append(BranchWork(flops, opcodes))
+        work.append(BranchWork(sum(e * f for e, f in _dots(read, branch)), opcodes))
     return work
 
 
@@ -458,41 +353,51 @@ import jax, jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 n = jax.device_count()
 mesh = jax.make_mesh((n,), ("x",), axis_types=(jax.sharding.AxisType.Auto,))
-summed = jax.jit(lambda a: a.sum(0), out_shardings=NamedSharding(mesh, P("x")))
+def summed(a):
+    return a.sum(0)
 rows = jax.device_put(jnp.ones((n, 4 * n)), NamedSharding(mesh, P("x")))
-print(summed.lower(rows).compile().as_text())
+jax.jit(summed, out_shardings=NamedSharding(mesh, P("x"))).lower(rows).compile()
 """
-_PASS_LINE = re.compile(r"hlo_pass_pipeline\.cc:\d+\]\s+HLO pass ([\w.\-]+)\s*$", re.M)
+_STEP = re.compile(r"^module_\d+\.jit_summed\.(\d+)\.[^.]+\.after_([\w\-]+)")
 
 
 @dataclass(frozen=True)
-class PassLog:
-    """The HLO passes one XLA backend ran on a program, in order, and the program it made."""
+class PassDump:
+    """What one XLA backend's compiler did to a program, from XLA's own dump: every pass that
+    changed it, in order, with the module it left, and the program it made."""
 
     platform: str
-    passes: tuple[str, ...]
+    steps: tuple[tuple[str, str], ...]
+    """(pass, the module's HLO text after it), for each pass that changed the module."""
     program: str
 
+    @property
+    def passes(self) -> tuple[str, ...]:
+        """The passes that changed the program, in the order they ran (once each)."""
+        return tuple(dict.fromkeys(name for name, _ in self.steps))
 
-def compiler_passes(platform: str = "cpu", devices: int = 4) -> PassLog:
+
+def compiler_passes(platform: str = "cpu", devices: int = 4) -> PassDump:
     """The passes XLA's `platform` compiler runs on a sum over devices that each device keeps
     a slice of (an all-reduce then a slice: the pattern a reduce-scatter creator rewrites),
-    read from XLA's own pass log in a fresh process, so this one's JAX is untouched."""
-    env = {
-        **os.environ,
-        "JAX_PLATFORMS": platform,
-        "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
-        "TF_CPP_MIN_LOG_LEVEL": "0",
-        "TF_CPP_VMODULE": "hlo_pass_pipeline=1",
-    }
-    done = subprocess.run(
-        [sys.executable, "-c", _PASS_PROGRAM], capture_output=True, text=True, env=env, timeout=600
-    )
-    if done.returncode:
-        raise RuntimeError(f"compiling on {platform} failed:\n{done.stderr[-2000:]}")
-    passes = tuple(dict.fromkeys(_PASS_LINE.findall(done.stderr)))
-    if not passes:
-        raise RuntimeError(
-            "XLA logged no passes: this jaxlib does not honour TF_CPP_VMODULE=hlo_pass_pipeline=1"
+    with the module after each that changed it, read from XLA's dump (`--xla_dump_to`,
+    `--xla_dump_hlo_pass_re`) of a fresh process, so this one's JAX is untouched."""
+    with tempfile.TemporaryDirectory(prefix="nnxscale-passes-") as where:
+        flags = (
+            f"--xla_force_host_platform_device_count={devices} --xla_dump_to={where} "
+            "--xla_dump_hlo_pass_re=.* --xla_dump_hlo_module_re=summed"
         )
-    return PassLog(platform, passes, done.stdout)
+        env = {"JAX_PLATFORMS": platform, "XLA_FLAGS": flags}
+        done = run([sys.executable, "-c", _PASS_PROGRAM], env=env, check=False)
+        if done.returncodes != [0]:
+            raise RuntimeError(f"compiling on {platform} failed:\n{done.text[-2000:]}")
+        files = {path.name: path for path in Path(where).iterdir()}
+        steps = sorted(
+            (int(found[1]), found[2], path.read_text())
+            for name, path in files.items()
+            if (found := _STEP.match(name)) and found[2] != "pipeline-start"
+        )
+        final = [path for name, path in files.items() if name.endswith("_after_optimizations.txt")]
+        if not steps or len(final) != 1:
+            raise RuntimeError(f"XLA dumped no passes for the program: {sorted(files)[:10]}")
+        return PassDump(platform, tuple((p, text) for _, p, text in steps), final[0].read_text())
