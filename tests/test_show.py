@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-import IPython.display
 import pytest
+from IPython.core.interactiveshell import InteractiveShell
+from IPython.utils.capture import capture_output
 
 from nnxscale.mesh import grid_shape
-from nnxscale.show import BOOK_BUILD_ENV, GLUE_PREFIX, Markdown, glue, source, table
+from nnxscale.show import BOOK_BUILD_ENV, Markdown, glue, source, table
 
 
 def test_table_aligns_numbers_and_escapes_pipes() -> None:
@@ -29,15 +30,20 @@ def test_numbers_among_text_keep_their_own_digits() -> None:
     )
 
 
-def test_each_column_has_one_format() -> None:
-    text = table(
-        ["share of state", "gap", "ms", "relative"],
-        [[0.9066, 1.2e-6, 12.5, 0.5], [0.007681, 3e-7, 150.25, 1.0]],
-    )
+def test_each_column_has_one_format_the_table_is_given_or_chooses() -> None:
+    headers = ["share of state", "gap", "ms", "relative"]
+    rows = [[0.9066, 1.2e-6, 12.5, 0.5], [0.007681, 3e-7, 150.25, 1]]
+    text = table(headers, rows, formats={"share of state": "{:.1%}", "relative": "{:.0%}"})
     assert text.splitlines()[2:] == [
-        "| 90.7% | 1.2e-06 | 12.5 | 50.0% |",
-        "| 0.8% | 3.0e-07 | 150.2 | 100.0% |",
+        "| 90.7% | 1.2e-06 | 12.5 | 50% |",
+        "| 0.8% | 3.0e-07 | 150.2 | 100% |",
     ]
+    # no format asked for: a header's words choose nothing
+    assert table(headers, rows).splitlines()[2] == "| 0.9066 | 1.2e-06 | 12.5 | 0.5000 |"
+    with pytest.raises(
+        ValueError, match=r"formats for columns the table does not have: \['ratio'\]"
+    ):
+        table(headers, rows, formats={"ratio": "{:.1%}"})
 
 
 def test_source_is_the_real_source() -> None:
@@ -47,16 +53,17 @@ def test_source_is_the_real_source() -> None:
     assert block.endswith("```")
 
 
-def test_glue_records_for_the_book_build_only(monkeypatch: pytest.MonkeyPatch) -> None:
-    shown: list[tuple[dict, dict]] = []
-    monkeypatch.setattr(
-        IPython.display, "display", lambda bundle, raw, metadata: shown.append((bundle, metadata))
-    )
+def test_glue_records_with_myst_nb_in_a_book_build_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    InteractiveShell.instance()  # a kernel's shell, whose display outputs are captured
     monkeypatch.delenv(BOOK_BUILD_ENV, raising=False)
-    glue("answer", 42)
-    assert shown == []  # Jupyter, Colab: nothing shown, no build tool needed
+    with capture_output() as outside:
+        glue("answer", 42)
+    assert outside.outputs == [] and outside.stdout == ""  # Jupyter, Colab: nothing at all
     monkeypatch.setenv(BOOK_BUILD_ENV, "1")
-    glue("answer", "1,234")
-    [(bundle, metadata)] = shown
-    assert bundle == {"application/papermill.record/text/plain": "'1,234'"}
-    assert metadata["scrapbook"] == {"name": "answer", "mime_prefix": GLUE_PREFIX}
+    with capture_output() as built:
+        glue("answer", "1,234")
+    (record,) = built.outputs
+    # myst-nb's own record: a hidden output that the build reads, whatever its format
+    assert record.metadata["scrapbook"]["name"] == "answer"
+    prefix = record.metadata["scrapbook"]["mime_prefix"]
+    assert prefix and record.data == {f"{prefix}text/plain": "'1,234'"}

@@ -5,14 +5,10 @@ from __future__ import annotations
 import inspect
 import math
 import os
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 BOOK_BUILD_ENV = "NNXSCALE_BOOK_BUILD"
 """Set (to 1) by the book's Sphinx extension, so kernels it starts know they feed the book."""
-
-GLUE_PREFIX = "application/papermill.record/"
-"""The MIME prefix myst-nb reads glued values from (and that no notebook front end renders)."""
-
 
 class Markdown(str):
     """Text that Jupyter and the book render as Markdown."""
@@ -21,19 +17,16 @@ class Markdown(str):
         return str(self)
 
 
-PERCENT_WORDS = ("share", "relative", "bubble", "idle", "fraction")
-"""A float column whose header contains one of these prints as percentages."""
-
-
-def _column_format(header: str, values: list[object]) -> Callable[[object], str]:
-    """One format for a whole column of numbers, so they line up: exact integers with
-    thousands separators; floats as percentages (shares), in scientific notation (tiny
-    differences) or with one number of decimals chosen by the column's largest value."""
+def _column_format(values: list[object], spec: str | None) -> Callable[[object], str]:
+    """One format for a whole column of numbers, so they line up: `spec` if given (a format
+    such as `{:.1%}`); else exact integers with thousands separators, and floats in
+    scientific notation (tiny differences) or with one number of decimals chosen by the
+    column's largest value."""
     floats = [abs(v) for v in values if isinstance(v, float)]
-    if not all(isinstance(v, int | float) and not isinstance(v, bool) for v in values):
+    if spec is not None:
+        float_format = spec
+    elif not all(isinstance(v, int | float) and not isinstance(v, bool) for v in values):
         float_format = "{:,.4g}"  # a column of mixed values: each number as it is
-    elif any(word in header.lower() for word in PERCENT_WORDS) and floats and max(floats) <= 10:
-        float_format = "{:.1%}"
     elif all(v == int(v) or v >= 1000 for v in floats):
         float_format = "{:,.0f}"
     elif any(0 < v < 1e-3 for v in floats):
@@ -45,16 +38,30 @@ def _column_format(header: str, values: list[object]) -> Callable[[object], str]
     def cell(value: object) -> str:
         if isinstance(value, bool) or not isinstance(value, int | float):
             return str(value).replace("|", "\\|")
-        return f"{value:,}" if isinstance(value, int) else float_format.format(value)
+        if isinstance(value, int) and spec is None:
+            return f"{value:,}"
+        return float_format.format(value)
 
     return cell
 
 
-def table(headers: Sequence[str], rows: Iterable[Sequence[object]], title: str = "") -> Markdown:
-    """A Markdown table; numbers are right-aligned and formatted alike down each column."""
+def table(
+    headers: Sequence[str],
+    rows: Iterable[Sequence[object]],
+    title: str = "",
+    *,
+    formats: Mapping[str, str] | None = None,
+) -> Markdown:
+    """A Markdown table; numbers are right-aligned and formatted alike down each column. A
+    column whose header `formats` names takes that format (`{"bubble": "{:.1%}"}`); the
+    others write integers exactly and floats as `_column_format` chooses."""
     rows = [list(row) for row in rows]
+    formats = dict(formats or {})
+    unknown = sorted(set(formats) - set(headers))
+    if unknown:
+        raise ValueError(f"formats for columns the table does not have: {unknown}")
     numeric = [all(isinstance(r[i], int | float) for r in rows) for i in range(len(headers))]
-    cells = [_column_format(h, [r[i] for r in rows]) for i, h in enumerate(headers)]
+    cells = [_column_format([r[i] for r in rows], formats.get(h)) for i, h in enumerate(headers)]
     lines = [
         "| " + " | ".join(headers) + " |",
         "|" + "|".join("--:" if n else "---" for n in numeric) + "|",
@@ -69,16 +76,11 @@ def source(obj: object) -> Markdown:
 
 
 def glue(name: str, value: object) -> None:
-    """Record `value` for the book's prose (`{glue:text}`name``); outside a book build, nothing.
-
-    The record is the display output myst-nb's own `glue` writes, so the build tool is not
-    needed to run a chapter: in Jupyter or Colab the call does nothing and shows nothing.
-    """
+    """Record `value` for the book's prose (`{glue:text}`name``) with myst-nb's own `glue`,
+    in a book build only: in Jupyter or Colab, where myst-nb may not be installed, the call
+    does nothing and shows nothing, so a chapter needs nothing but `nnxscale`."""
     if os.environ.get(BOOK_BUILD_ENV) != "1":
         return
-    from IPython.core.formatters import format_display_data
-    from IPython.display import display
+    from myst_nb import glue as record
 
-    bundle, metadata = format_display_data(value)
-    metadata["scrapbook"] = {"name": name, "mime_prefix": GLUE_PREFIX}
-    display({GLUE_PREFIX + k: v for k, v in bundle.items()}, raw=True, metadata=metadata)
+    record(name, value, display=False)
