@@ -10,6 +10,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 BOOK_BUILD_ENV = "NNXSCALE_BOOK_BUILD"
 """Set (to 1) by the book's Sphinx extension, so kernels it starts know they feed the book."""
 
+
 class Markdown(str):
     """Text that Jupyter and the book render as Markdown."""
 
