@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 from pathlib import Path
@@ -24,7 +25,7 @@ def test_every_chapter_executed_successfully(built_book: Path) -> None:
         row = re.search(rf"{chapter.stem}\.html.*?</tr>", status, re.S)
         assert row, f"{chapter.stem} missing from the status page"
         cells = re.findall(r"<td><p>(.*?)</p></td>", row.group(0))
-        assert cells[-3:-2] == ["force"] and cells[-1] == "✅", cells
+        assert cells[-3:-2] == ["cache"] and cells[-1] == "✅", cells
 
 
 def test_status_page_names_versions_and_devices(built_book: Path) -> None:
@@ -49,10 +50,27 @@ def test_sphinx_reported_no_warnings(built_book: Path) -> None:
     assert not warnings, warnings
 
 
-def test_every_chapter_page_and_notebook_download_exists(built_book: Path) -> None:
+def test_every_chapter_page_and_its_executed_notebook_download_exist(built_book: Path) -> None:
+    """The download button's notebook carries the build's outputs, though myst-nb read the
+    chapter from jupyter-cache (where it writes a cached chapter without them)."""
     for chapter in CHAPTERS:
         assert (built_book / "chapters" / f"{chapter.stem}.html").exists()
-        assert (built_book / "_sources" / "chapters" / f"{chapter.stem}.ipynb").exists()
+        download = built_book / "_sources" / "chapters" / f"{chapter.stem}.ipynb"
+        cells = json.loads(download.read_text())["cells"]
+        assert any(c.get("outputs") for c in cells if c["cell_type"] == "code"), chapter.stem
+
+
+def test_each_page_loads_each_script_once_and_mathjax_from_the_book(built_book: Path) -> None:
+    for page in sorted(built_book.rglob("*.html")):
+        html = page.read_text()
+        inline = re.findall(r"<script>(.*?)</script>", html, re.S)
+        sources = re.findall(r'<script[^>]* src="([^"]+)"', html)
+        assert len(inline) == len(set(inline)), f"an inline script twice on {page.name}"
+        assert len(sources) == len(set(sources)), f"a script loaded twice on {page.name}"
+        if "tex-mml-chtml.js" in html:
+            assert not [u for u in sources if "tex-mml-chtml" in u and "//" in u], page.name
+    mathjax = built_book / "_static" / "mathjax" / "tex-mml-chtml.js"
+    assert mathjax.stat().st_size > 100_000
 
 
 def test_citations_and_bibliography_share_one_style(built_book: Path) -> None:
@@ -90,7 +108,7 @@ def copy_of_the_book(destination: Path) -> Path:
 
 
 def executed(result: subprocess.CompletedProcess[str]) -> bool:
-    return "Executing notebook" in result.stdout + result.stderr
+    return "jupyter-cache's local-parallel executor" in result.stdout + result.stderr
 
 
 def test_rebuilds_execute_again_when_needed_and_failures_fail(tmp_path: Path) -> None:
@@ -101,6 +119,14 @@ def test_rebuilds_execute_again_when_needed_and_failures_fail(tmp_path: Path) ->
     unchanged = jupyter_book("build", ".", cwd=book)
     assert unchanged.returncode == 0 and not executed(unchanged)
 
+    # Prose alone: the page is rebuilt from the cached outputs, nothing executes.
+    chapter = book / "chapters" / f"{CHAPTERS[0].stem}.md"
+    chapter.write_text(chapter.read_text() + "\nA sentence added to the prose.\n")
+    prose = jupyter_book("build", ".", cwd=book)
+    assert prose.returncode == 0 and not executed(prose), prose.stderr[-3000:]
+    html = (book / "_build" / "html" / "chapters" / f"{CHAPTERS[0].stem}.html").read_text()
+    assert "A sentence added to the prose." in html
+
     # A change to the library alone re-executes the chapters that import it.
     module = book / "src" / "nnxscale" / "comm.py"
     module.write_text(module.read_text() + "\n# touched\n")
@@ -108,7 +134,6 @@ def test_rebuilds_execute_again_when_needed_and_failures_fail(tmp_path: Path) ->
     assert library.returncode == 0 and executed(library)
 
     # A failing cell fails the build, names the error, and keeps failing on the next build.
-    chapter = book / "chapters" / f"{CHAPTERS[0].stem}.md"
     chapter.write_text(
         chapter.read_text() + '\n```{code-cell} ipython3\nraise RuntimeError("boom")\n```\n'
     )

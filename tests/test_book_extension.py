@@ -1,14 +1,12 @@
-"""The book's Sphinx extension: stale chapters re-executed, scripts deduplicated, MathJax local."""
+"""The book's Sphinx extension, function by function (its work in a real build: test_book)."""
 
 from __future__ import annotations
 
 import sys
-from collections import defaultdict
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from sphinx.builders.html._assets import _JavaScript
 
 from conftest import ROOT
 
@@ -35,62 +33,6 @@ def test_digest_follows_the_library_the_pins_and_the_device_count(tree, monkeypa
     monkeypatch.setenv("NNXSCALE_DEVICES", "16")
     fourth = ext.inputs_digest(tree)
     assert len({first, second, third, fourth}) == 4
-
-
-def fake_env(succeeded: dict[str, bool], digest: str | None):
-    docs = {"book/intro", "book/status", *succeeded}
-    env = SimpleNamespace(found_docs=docs, nb_metadata=defaultdict(dict))
-    for doc, ok in succeeded.items():
-        env.nb_metadata[doc]["exec_data"] = {"succeeded": ok}
-    if digest is not None:
-        env.nnxscale_inputs_digest = digest
-    return env
-
-
-def test_changed_inputs_mark_every_chapter(tree) -> None:
-    env = fake_env({"chapters/01": True, "chapters/02": True}, digest="old")
-    app = SimpleNamespace(srcdir=str(tree))
-    stale = ext.outdated_chapters(app, env, set(), set(), set())
-    assert sorted(stale) == ["book/status", "chapters/01", "chapters/02"]
-    assert env.nnxscale_inputs_digest == ext.inputs_digest(tree)
-
-
-def test_unchanged_inputs_mark_only_failed_chapters(tree) -> None:
-    env = fake_env({"chapters/01": True, "chapters/02": False}, digest=ext.inputs_digest(tree))
-    app = SimpleNamespace(srcdir=str(tree))
-    assert sorted(ext.outdated_chapters(app, env, set(), set(), set())) == [
-        "book/status",
-        "chapters/02",
-    ]
-
-
-def test_nothing_to_do_when_all_is_fresh(tree) -> None:
-    env = fake_env({"chapters/01": True}, digest=ext.inputs_digest(tree))
-    app = SimpleNamespace(srcdir=str(tree))
-    assert ext.outdated_chapters(app, env, set(), set(), set()) == []
-
-
-def test_inline_scripts_registered_twice_are_kept_once() -> None:
-    scripts = [
-        _JavaScript("a.js"),
-        _JavaScript(None, body="const X = 1"),
-        _JavaScript("", body="const X = 1"),
-        _JavaScript(None, body="const Y = 2"),
-        _JavaScript("a.js"),
-    ]
-    context = {"script_files": scripts}
-    ext.dedupe_scripts(None, "page", "page.html", context, None)
-    assert context["script_files"] is scripts  # edited in place: later handlers append to it
-    assert [str(s.filename or "") + s.attributes.get("body", "") for s in scripts] == [
-        "a.js",
-        "const X = 1",
-        "const Y = 2",
-    ]
-
-
-def test_mathjax_ships_with_the_book_environment() -> None:
-    source = ext._mathjax_dir()
-    assert source is not None and (source / "tex-mml-chtml.js").stat().st_size > 100_000
 
 
 def test_treescope_outputs_are_inserted_only_once_parsed() -> None:
@@ -164,31 +106,3 @@ def test_outside_a_git_checkout_paths_stay_unlinked(tmp_path: Path) -> None:
     (tmp_path / "benchmarks" / "fsdp.py").write_text("")
     assert ext.link_target("benchmarks/fsdp.py", fake_app(tmp_path)) is None
     assert ext.link_target("jax.jit", fake_app(tmp_path)) == ext.JAX + "jax.jit.html"
-
-
-def test_a_chapter_executed_ahead_is_taken_not_run_again(tmp_path: Path) -> None:
-    """Two chapters execute ahead in real kernels; reading takes each one's outputs."""
-    import nbformat
-
-    chapters = tmp_path / "chapters"
-    chapters.mkdir()
-    for name, code in (("a", "print(6 * 7)"), ("b", "raise RuntimeError('boom')")):
-        (chapters / f"{name}.md").write_text(
-            f"# {name}\n\n```{{code-cell}} ipython3\n{code}\n```\n"
-        )
-    config = SimpleNamespace(nb_execution_mode="force", nb_execution_timeout=60,
-                             nb_execution_allow_errors=False)  # fmt: skip
-    env = SimpleNamespace(doc2path=lambda doc: tmp_path / f"{doc}.md")
-    ext.execute_ahead(SimpleNamespace(config=config), env, ["intro", "chapters/a", "chapters/b"])
-    assert len(ext._executions) == 2
-
-    def reading(code: str) -> nbformat.NotebookNode:  # what myst-nb reads: no outputs yet
-        return nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(code)])
-
-    good = ext._executed(reading("print(6 * 7)"), None, 60, False)
-    assert good.err is None and good.nb.cells[0].outputs[0]["text"] == "42\n"
-    bad = ext._executed(reading("raise RuntimeError('boom')"), None, 60, False)
-    assert "boom" in bad.exc_string and not ext._executions
-    # A notebook nobody started is executed when read, as myst-nb would.
-    fresh = ext._executed(reading("print(1)"), str(tmp_path), 60, False)
-    assert fresh.nb.cells[0].outputs[0]["text"] == "1\n"

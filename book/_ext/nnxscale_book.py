@@ -4,15 +4,16 @@ load whatever the page's parsing speed, figures at twice their size, API names l
 documentation and the library's names and files to their source, figure numbers in
 `[Figure](#name)` links, and author-year labels in the bibliography.
 
-Sphinx re-reads (so myst-nb re-executes) only documents whose source changed. The chapters'
-outputs also depend on the library under src/, the pinned packages and the device count, so
-when any of those changed since the last build, or a chapter's last execution failed, every
-affected chapter is executed again. `jupyter-book build .` is then never stale.
+Chapters are executed through jupyter-cache (`execute_notebooks: cache`), which keys a
+chapter's outputs on its code cells. The outputs also depend on the library under src/, the
+pinned packages and the device count, so when any of those changed since the last build the
+cache is emptied, and every chapter executes again; a chapter whose last execution failed is
+read again, and executes again. `jupyter-book build .` is then never stale, and an edit to a
+chapter's prose alone executes nothing.
 
-Sphinx reads documents one at a time, and myst-nb executes a chapter when it reads it. The
-chapters to read are known before the first is read, so they start executing then, two at a
-time, each in its own kernel; myst-nb's executor then takes a chapter's finished execution
-instead of running it again (the same function, the same arguments, only earlier).
+Before Sphinx reads the chapters, the ones the cache holds no outputs for are executed at
+once by jupyter-cache's own parallel executor (`local-parallel`, a kernel per core), and
+myst-nb then reads each chapter's outputs from the cache.
 """
 
 from __future__ import annotations
@@ -22,17 +23,20 @@ import hashlib
 import importlib
 import importlib.util
 import inspect
+import logging as stdlib_logging
 import os
 import re
 import shutil
 import subprocess
-from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
+import nbformat
 from docutils import nodes
 from docutils.statemachine import StringList
 from sphinx.application import Sphinx
 from sphinx.environment import BuildEnvironment
+from sphinx.errors import ExtensionError
+from sphinx.util import logging
 from sphinx.util.docutils import SphinxDirective
 
 from nnxscale.show import BOOK_BUILD_ENV
@@ -40,6 +44,7 @@ from nnxscale.show import BOOK_BUILD_ENV
 CHAPTERS = "chapters/"
 STATUS_PAGE = "book/status"
 INPUTS = ("src/**/*.py", "requirements.txt", "pyproject.toml")
+logger = logging.getLogger(__name__)
 
 
 def inputs_digest(root: Path) -> str:
@@ -54,12 +59,15 @@ def inputs_digest(root: Path) -> str:
 def outdated_chapters(
     app: Sphinx, env: BuildEnvironment, added: set, changed: set, removed: set
 ) -> list[str]:
-    """Chapters to execute again: all when the inputs changed, else those that failed last time."""
+    """Chapters to read again: all when the inputs changed (their cached outputs dropped),
+    else those whose last execution failed."""
+    from jupyter_cache import get_cache
     from myst_nb.sphinx_ import NbMetadataCollector
 
     digest = inputs_digest(Path(app.srcdir))
     chapters = [doc for doc in env.found_docs if doc.startswith(CHAPTERS)]
     if getattr(env, "nnxscale_inputs_digest", None) != digest:
+        get_cache(app.config.nb_execution_cache_path).clear_cache()
         stale = chapters
     else:
         stale = [
@@ -71,67 +79,56 @@ def outdated_chapters(
     return [*stale, STATUS_PAGE] if stale or added or changed else []
 
 
-AHEAD = 2
-"""Chapters executed at once ahead of reading: one per core of the book's 2-core machines."""
-
-_executions: dict[tuple[str, ...], Future] = {}
-_pools: list[ThreadPoolExecutor] = []
+MYST_NOTEBOOK = {"type": "plugin", "name": "myst_nb_md"}
+"""How jupyter-cache reads a MyST chapter: myst-nb's reader plugin."""
 
 
-def _code(notebook: object) -> tuple[str, ...]:
-    """A notebook's code, which identifies the chapter it came from."""
-    return tuple(cell.source for cell in notebook.cells if cell.cell_type == "code")
-
-
-def execute_ahead(app: Sphinx, env: BuildEnvironment, docnames: list[str]) -> None:
-    """Start executing the chapters Sphinx is about to read, `AHEAD` at a time."""
-    from jupyter_cache.executors.utils import single_nb_execution
-    from myst_nb.core.read import read_myst_markdown_notebook
+def execute_chapters(app: Sphinx, env: BuildEnvironment, docnames: list[str]) -> None:
+    """Execute the chapters about to be read that the cache holds no outputs for, in parallel
+    with jupyter-cache's `local-parallel` executor; a chapter that fails stops the build
+    here, with its traceback."""
+    from jupyter_cache import get_cache
+    from jupyter_cache.executors import load_executor
 
     config = app.config
-    chapters = [doc for doc in docnames if doc.startswith(CHAPTERS)]
-    if config.nb_execution_mode != "force" or len(chapters) < 2:
+    if config.nb_execution_mode != "cache":
         return
-    pool = ThreadPoolExecutor(AHEAD)
-    _pools.append(pool)
-    for doc in chapters:
-        path = Path(env.doc2path(doc))
-        notebook = read_myst_markdown_notebook(path.read_text(), path=path)
-        _executions[_code(notebook)] = pool.submit(
-            single_nb_execution,
-            notebook,
-            cwd=str(path.parent),
-            timeout=config.nb_execution_timeout,
-            allow_errors=config.nb_execution_allow_errors,
-            meta_override=True,
-        )
-    pool.shutdown(wait=False)
+    cache = get_cache(config.nb_execution_cache_path)
+    paths = [str(env.doc2path(doc)) for doc in docnames if doc.startswith(CHAPTERS)]
+    records = [cache.add_nb_to_project(path, read_data=MYST_NOTEBOOK) for path in paths]
+    pending = cache.list_unexecuted(filter_pks=[r.pk for r in records])
+    if not pending:
+        return
+    names = ", ".join(Path(r.uri).stem for r in pending)
+    logger.info(
+        f"executing {len(pending)} chapter(s) with jupyter-cache's local-parallel executor: {names}"
+    )
+    executor = load_executor("local-parallel", cache, logger=stdlib_logging.getLogger(__name__))
+    result = executor.run_and_cache(
+        filter_pks=[r.pk for r in pending],
+        timeout=config.nb_execution_timeout,
+        allow_errors=config.nb_execution_allow_errors,
+    )
+    failed = [*result.excepted, *result.errored]
+    if failed:
+        reports = [f"{uri}:\n{cache.get_project_record(uri).traceback}" for uri in failed]
+        raise ExtensionError("executing a chapter failed:\n" + "\n\n".join(reports))
 
 
-def _executed(
-    notebook: object,
-    cwd: str | None,
-    timeout: int | None,
-    allow_errors: bool,
-    meta_override: bool = True,
-    **kwargs: object,
-) -> object:
-    """myst-nb's `single_nb_execution`, taking the execution `execute_ahead` started for this
-    notebook (its outputs copied into `notebook`) or, if none, executing it now."""
-    from jupyter_cache.executors.utils import ExecutionResult, single_nb_execution
+def downloads_with_outputs(app: Sphinx, doctree: nodes.document) -> None:
+    """Write a chapter's executed notebook, outputs and all, where the download button takes
+    it from: myst-nb writes a chapter read from the cache there without its outputs."""
+    from jupyter_cache import get_cache
+    from myst_nb.core.read import read_myst_markdown_notebook
 
-    started = _executions.pop(_code(notebook), None)
-    if started is None:
-        return single_nb_execution(notebook, cwd, timeout, allow_errors, meta_override, **kwargs)
-    result = started.result()
-    if result.err is not None:  # the build stops here: start no more chapters
-        for pool in _pools:
-            pool.shutdown(wait=False, cancel_futures=True)
-    code = [[c for c in nb.cells if c.cell_type == "code"] for nb in (notebook, result.nb)]
-    for cell, done in zip(*code, strict=True):
-        cell.outputs, cell.execution_count = done.outputs, done.execution_count
-    notebook.metadata = result.nb.metadata
-    return ExecutionResult(notebook, result.cwd, result.time, result.err, result.exc_string)
+    docname = app.env.docname
+    if not docname.startswith(CHAPTERS) or app.config.nb_execution_mode != "cache":
+        return
+    path = Path(app.env.doc2path(docname))
+    notebook = read_myst_markdown_notebook(path.read_text(), add_source_map=True, path=path)
+    _, executed = get_cache(app.config.nb_execution_cache_path).merge_match_into_notebook(notebook)
+    target = Path(app.outdir).parent / "jupyter_execute" / f"{docname}.ipynb"
+    target.write_text(nbformat.writes(executed))
 
 
 class EnvironmentTable(SphinxDirective):
@@ -433,10 +430,8 @@ def setup(app: Sphinx) -> dict[str, object]:
     app.add_js_file("nnxscale-tables.js")
     app.connect("doctree-resolved", defer_treescope)
     app.connect("env-get-outdated", outdated_chapters)
-    app.connect("env-before-read-docs", execute_ahead)
-    from myst_nb.core.execute import direct
-
-    direct.single_nb_execution = _executed
+    app.connect("env-before-read-docs", execute_chapters)
+    app.connect("doctree-read", downloads_with_outputs)
     app.connect("config-inited", use_local_mathjax)
     app.connect("build-finished", copy_mathjax)
     # Early: Sphinx stops calling html-page-context handlers at the first that returns a value.
