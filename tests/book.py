@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import shutil
-import subprocess
 from pathlib import Path
 
 import yaml
+
+from nnxscale.launch import run
 
 ROOT = Path(__file__).resolve().parent.parent
 CHAPTERS = sorted((ROOT / "chapters").glob("[0-9A-Z][0-9]_*.md"))
@@ -50,19 +51,15 @@ def setup_cell() -> str:
 
 def tracked(path: Path) -> bool:
     """Whether git tracks `path` (Colab opens the committed file, not the working copy)."""
-    out = subprocess.run(
-        ["git", "ls-files", "--error-unmatch", str(path.relative_to(ROOT))],
-        cwd=ROOT, capture_output=True, text=True,
-    )  # fmt: skip
-    return out.returncode == 0
+    listed = ["git", "ls-files", "--error-unmatch", str(path.relative_to(ROOT))]
+    return run(listed, cwd=ROOT, check=False).returncodes == [0]
 
 
 def copy_checkout(destination: Path) -> Path:
     """The files a commit of this working tree would hold (tracked, or new and not ignored)."""
-    listed = subprocess.run(
-        ["git", "ls-files", "--cached", "--others", "--exclude-standard"],
-        cwd=ROOT, capture_output=True, text=True, check=True,
-    ).stdout.split()  # fmt: skip
+    listed = run(
+        ["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=ROOT
+    ).text.split()
     for name in listed:
         if (ROOT / name).is_file():
             (destination / name).parent.mkdir(parents=True, exist_ok=True)

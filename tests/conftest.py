@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import fcntl
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -26,10 +25,10 @@ def run_python(code: str, **env: str) -> Run:
     return run([sys.executable, "-c", code], env=env, check=False)
 
 
-def jupyter_book(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess[str]:
-    """Run the jupyter-book command of this environment."""
+def jupyter_book(*args: str, cwd: Path = ROOT) -> Run:
+    """Run the jupyter-book command of this environment; the finished run, whatever its end."""
     command = [str(Path(sys.executable).with_name("jupyter-book")), *args]
-    return subprocess.run(command, cwd=cwd, capture_output=True, text=True, timeout=3600)
+    return run(command, cwd=cwd, timeout=3600, check=False)
 
 
 @pytest.fixture(scope="session")
@@ -46,10 +45,10 @@ def built_book(tmp_path_factory: pytest.TempPathFactory) -> Path:
         fcntl.flock(lock, fcntl.LOCK_EX)
         status = shared / "built-book.returncode"
         if not status.exists():
-            assert jupyter_book("clean", "--all", ".").returncode == 0
+            assert jupyter_book("clean", "--all", ".").returncodes == [0]
             result = jupyter_book("build", ".")
             log_file.parent.mkdir(exist_ok=True)
-            log_file.write_text(result.stdout + result.stderr)
-            status.write_text(str(result.returncode))
+            log_file.write_text(result.text)
+            status.write_text(str(result.returncodes[0]))
     assert status.read_text() == "0", log_file.read_text()[-5000:]
     return ROOT / "_build" / "html"

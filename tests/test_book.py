@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
 from pathlib import Path
 
 import pytest
 import yaml
+
+from nnxscale.launch import Run
 
 from book import CHAPTERS, ROOT, copy_checkout
 from conftest import jupyter_book
@@ -107,23 +108,23 @@ def copy_of_the_book(destination: Path) -> Path:
     return destination
 
 
-def executed(result: subprocess.CompletedProcess[str]) -> bool:
-    return "jupyter-cache's local-parallel executor" in result.stdout + result.stderr
+def executed(result: Run) -> bool:
+    return "jupyter-cache's local-parallel executor" in result.text
 
 
 def test_rebuilds_execute_again_when_needed_and_failures_fail(tmp_path: Path) -> None:
     book = copy_of_the_book(tmp_path / "book")
     first = jupyter_book("build", ".", cwd=book)
-    assert first.returncode == 0 and executed(first), first.stderr[-3000:]
+    assert first.returncodes == [0] and executed(first), first.text[-3000:]
 
     unchanged = jupyter_book("build", ".", cwd=book)
-    assert unchanged.returncode == 0 and not executed(unchanged)
+    assert unchanged.returncodes == [0] and not executed(unchanged)
 
     # Prose alone: the page is rebuilt from the cached outputs, nothing executes.
     chapter = book / "chapters" / f"{CHAPTERS[0].stem}.md"
     chapter.write_text(chapter.read_text() + "\nA sentence added to the prose.\n")
     prose = jupyter_book("build", ".", cwd=book)
-    assert prose.returncode == 0 and not executed(prose), prose.stderr[-3000:]
+    assert prose.returncodes == [0] and not executed(prose), prose.text[-3000:]
     html = (book / "_build" / "html" / "chapters" / f"{CHAPTERS[0].stem}.html").read_text()
     assert "A sentence added to the prose." in html
 
@@ -131,7 +132,7 @@ def test_rebuilds_execute_again_when_needed_and_failures_fail(tmp_path: Path) ->
     module = book / "src" / "nnxscale" / "comm.py"
     module.write_text(module.read_text() + "\n# touched\n")
     library = jupyter_book("build", ".", cwd=book)
-    assert library.returncode == 0 and executed(library)
+    assert library.returncodes == [0] and executed(library)
 
     # A failing cell fails the build, names the error, and keeps failing on the next build.
     chapter.write_text(
@@ -139,5 +140,5 @@ def test_rebuilds_execute_again_when_needed_and_failures_fail(tmp_path: Path) ->
     )
     for _ in range(2):
         failed = jupyter_book("build", ".", cwd=book)
-        assert failed.returncode != 0
-        assert "boom" in failed.stdout + failed.stderr
+        assert failed.returncodes != [0]
+        assert "boom" in failed.text

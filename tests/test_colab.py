@@ -13,13 +13,14 @@ a GPU that is not there, as on a Colab GPU runtime, so the setup cell must switc
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import nbformat
 import pytest
 from nbclient import NotebookClient
+
+from nnxscale.launch import run
 
 from book import CHAPTERS, KERNEL_PACKAGES, ROOT, copy_checkout
 
@@ -44,13 +45,13 @@ def colab(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     download = [sys.executable, "-m", "pip", "download", "-q", "-d", str(wheels),
                 "-c", str(pinned(base / "constraints.txt")), str(checkout), "setuptools",
                 *KERNEL_PACKAGES]  # fmt: skip
-    subprocess.run(download, check=True, capture_output=True, text=True, timeout=1200)
+    run(download, timeout=1200)
     venv = base / "venv"
-    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    run([sys.executable, "-m", "venv", str(venv)])
     python = venv / "bin" / "python"
     offline = ["--no-index", "--find-links", str(wheels), "--disable-pip-version-check"]
     install = [python, "-m", "pip", "install", "-q", *offline, *KERNEL_PACKAGES]
-    subprocess.run(install, check=True, capture_output=True, text=True, timeout=1200)
+    run(install, timeout=1200)
     stub = base / "stub" / "google" / "colab"
     stub.mkdir(parents=True)
     (stub / "__init__.py").write_text('"""Stand-in for the module Colab imports at start."""\n')
@@ -83,9 +84,9 @@ def colab(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 def test_the_colab_kernel_has_a_kernel_and_nothing_else(colab: dict[str, Path]) -> None:
     python = colab["venv"] / "bin" / "python"
     for module in ("nnxscale", "jax", "flax", "matplotlib", "myst_nb", "jupyter_book"):
-        probe = subprocess.run([python, "-c", f"import {module}"], capture_output=True, text=True)
-        assert f"No module named '{module}'" in probe.stderr, module
-    assert subprocess.run([python, "-c", "import ipykernel, IPython"]).returncode == 0
+        probe = run([str(python), "-c", f"import {module}"], check=False)
+        assert f"No module named '{module}'" in probe.text, module
+    assert run([str(python), "-c", "import ipykernel, IPython"], check=False).returncodes == [0]
 
 
 @pytest.mark.parametrize("md", CHAPTERS, ids=[c.stem for c in CHAPTERS])

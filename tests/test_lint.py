@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from nnxscale.launch import run
 
 from book import ROOT
 
@@ -15,5 +16,5 @@ RUFF = str(Path(sys.executable).with_name("ruff"))
 
 @pytest.mark.parametrize("command", [["check"], ["format", "--check"]])
 def test_ruff(command: list[str]) -> None:
-    result = subprocess.run([RUFF, *command, "."], cwd=ROOT, capture_output=True, text=True)
-    assert result.returncode == 0, result.stdout + result.stderr
+    result = run([RUFF, *command, "."], cwd=ROOT, check=False)
+    assert result.returncodes == [0], result.text

@@ -27,7 +27,6 @@ import logging as stdlib_logging
 import os
 import re
 import shutil
-import subprocess
 from pathlib import Path
 
 import nbformat
@@ -39,6 +38,7 @@ from sphinx.errors import ExtensionError
 from sphinx.util import logging
 from sphinx.util.docutils import SphinxDirective
 
+from nnxscale.launch import run
 from nnxscale.show import BOOK_BUILD_ENV
 
 CHAPTERS = "chapters/"
@@ -319,11 +319,8 @@ def link_target(text: str, app: Sphinx) -> str | None:
 def _tracked_files(root: str) -> dict[str, bool]:
     """Files and folders git tracks under `root`, each mapped to whether it is a folder (none
     outside a git checkout, or without git: the names then stay unlinked)."""
-    try:
-        result = subprocess.run(["git", "ls-files"], cwd=root, capture_output=True, text=True)
-    except OSError:
-        return {}
-    files = result.stdout.split() if result.returncode == 0 else []
+    listed = run(["git", "ls-files"], cwd=root, check=False)
+    files = listed.text.split() if listed.returncodes == [0] else []
     folders = {str(parent) for f in files for parent in Path(f).parents if str(parent) != "."}
     return {**dict.fromkeys(files, False), **dict.fromkeys(folders, True)}
 

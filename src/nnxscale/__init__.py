@@ -39,6 +39,7 @@ from nnxscale import (
     params,
     pipeline,
     planner,
+    program,
     rules,
     schedules,
     show,
@@ -125,6 +126,6 @@ __all__ = [
 MODULES = (
     activations, calculator, checkpoint, cli, comm, context, costs, data, devices, environment,
     events, figures, formula, fsdp, hlo, init, launch, layout, losses, machine, memory, mesh, model,
-    moe, params, pipeline, planner, rules, schedules, show, train, trees,
+    moe, params, pipeline, planner, program, rules, schedules, show, train, trees,
 )  # fmt: skip
 """The modules, each reached as `nx.<module>`: the rest of the library, spelled with its home."""

@@ -29,6 +29,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from functools import partial
+from pathlib import Path
 from typing import NoReturn
 
 COORDINATOR, PROCESSES, PROCESS_ID = (
@@ -179,9 +180,10 @@ def start(
     echo: Callable[[str], None] | None = print,
     env: dict[str, str] | None = None,
     stop: threading.Event | None = None,
+    cwd: str | Path | None = None,
 ) -> Run:
-    """Start `processes` copies of `command`, each with `devices` emulated devices (None: as
-    the environment says); several form one distributed run.
+    """Start `processes` copies of `command` in `cwd`, each with `devices` emulated devices
+    (None: as the environment says); several form one distributed run.
 
     Call `wait` on the result from the same thread: on Linux a worker is killed when the
     thread that started it ends. Setting `stop` makes `wait` stop the run.
@@ -198,6 +200,7 @@ def start(
             stderr=subprocess.STDOUT,
             text=True,
             env=worker_env,
+            cwd=cwd,
         )
         run.workers.append(worker)
 
@@ -239,11 +242,13 @@ def run(
     timeout: float = 300,
     env: dict[str, str] | None = None,
     check: bool = True,
+    cwd: str | Path | None = None,
 ) -> Run:
-    """Run `command` as one process with `devices` emulated devices (None: as the environment
-    says) and wait for it; the finished run (`output`, `returncodes`). With `check`, a
-    non-zero exit raises LaunchError with its last lines."""
-    finished = start(command, 1, devices, echo=None, env=env)
+    """Run `command` (a Python program, or any other) as one process in `cwd`, with `devices`
+    emulated devices (None: as the environment says), and wait for it; the finished run
+    (`output`, `returncodes`, `text`). With `check`, a non-zero exit raises LaunchError with
+    its last lines."""
+    finished = start(command, 1, devices, echo=None, env=env, cwd=cwd)
     finished.wait(timeout, check=check)
     return finished
 
