@@ -17,10 +17,15 @@ import yaml
 from book import CHAPTERS, KERNEL_PACKAGES, ROOT, setup_cell, tracked
 
 NAMES = [c.stem for c in CHAPTERS]
+README = (ROOT / "README.md").read_text()
 
 
-def test_there_are_chapters() -> None:
-    assert NAMES and NAMES[0] == "01_device_meshes"
+def test_the_readme_lists_every_chapter_in_order_with_its_title() -> None:
+    listed = re.findall(r"^\| (\w+) \| \[([^\]]+)\]\(chapters/(\w+)\.md\)", README, re.M)
+    assert [name for _, _, name in listed] == NAMES
+    for _, title, name in listed:  # the link says what the chapter's own heading says
+        heading = re.search(r"^# (.+)$", (ROOT / "chapters" / f"{name}.md").read_text(), re.M)
+        assert heading and heading[1].removeprefix("Appendix: ").lower() == title.lower(), name
 
 
 def test_the_table_of_contents_lists_every_chapter_in_order() -> None:

@@ -71,24 +71,44 @@ def test_three_dimensional_arrays_are_refused(mesh) -> None:
         shard_blocks(put(mesh, P(), shape=(2, 2, 2)))
 
 
-def test_plots_draw_one_patch_per_block(mesh) -> None:
-    ax = plot_sharding(put(mesh, P("data", None)))
-    assert len(ax.patches) == 4
+def drawn(ax) -> list[tuple[float, float, float, float, str]]:
+    """Each box an axes shows, as (x, y, width, height, its label), in drawing order."""
+    labels = {(t.get_position()): t.get_text() for t in ax.texts}
+    boxes = []
+    for patch in ax.patches:
+        x, y, w, h = patch.get_x(), patch.get_y(), patch.get_width(), patch.get_height()
+        boxes.append((x, y, w, h, labels.get((x + w / 2, y + h / 2), "")))
+    return boxes
+
+
+def test_a_sharding_is_drawn_as_its_shards_labelled_with_their_devices(mesh) -> None:
+    array = put(mesh, P("data", None))
+    expected = {(c0, r0, c1 - c0, r1 - r0, ",".join(map(str, ids)))
+                for (r0, r1, c0, c1), ids in shard_blocks(array).items()}  # fmt: skip
+    assert set(drawn(plot_sharding(array))) == expected
+    assert {box[4] for box in drawn(plot_sharding(array))} == {"0,1", "2,3", "4,5", "6,7"}
     fig = plot_shardings({"a": put(mesh, P()), "b": put(mesh, P("data", "model"))}, columns=3)
-    assert [len(a.patches) for a in fig.axes if a.get_visible()] == [1, 8]
-    assert len(plot_mesh(mesh).patches) == 8
-    assert len(plot_mesh(make_mesh((8,), ("ring",))).patches) == 8
+    whole, split = (a for a in fig.axes if a.get_visible())
+    assert [box[4] for box in drawn(whole)] == ["0,1,2,3\n4,5,6,7"]  # every device, whole
+    assert sorted(box[4] for box in drawn(split)) == [str(d) for d in range(8)]
+    positions = {box[4]: box[:2] for box in drawn(plot_mesh(mesh))}
+    assert positions == {str(d): (d % 2, d // 2) for d in range(8)}  # (column, row)
 
 
 SCHEDULES = [one_f_one_b(4, 8), interleaved(4, 8, 2), zero_bubble(4, 8)]
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES, ids=["1F1B", "v2", "ZB"])
-def test_timeline_draws_a_box_per_task(schedule) -> None:
+def test_timeline_draws_each_task_where_the_simulation_ran_it(schedule) -> None:
     timeline = simulate(schedule)
     ax = plot_timeline(timeline)
-    kinds = 3 if schedule.split else 2
-    assert len(ax.patches) == kinds * schedule.micro_batches * schedule.stages
+    boxes = sorted((round(x, 9), round(w, 9), round(y + h / 2)) for x, y, w, h, _ in drawn(ax))
+    runs = sorted(
+        (round(start, 9), round(end - start, 9), d)
+        for d, tasks in enumerate(timeline.runs)
+        for _, start, end in tasks
+    )
+    assert boxes == runs  # each box is a task: its device's row, its start and its length
     hatched = [patch for patch in ax.patches if patch.get_hatch()]
     assert len(hatched) == (schedule.micro_batches * schedule.stages if schedule.split else 0)
     assert ax.get_xlim() == (0, timeline.makespan)
@@ -110,7 +130,10 @@ def test_collective_pieces_are_named_by_their_source() -> None:
     assert block_sources(blocks, np.roll(blocks, 1, axis=0)) == [[2], [0], [1]]
     assert block_sources(blocks, blocks + 0.5) == [["?"]] * 3
     fig = plot_collectives(blocks, {"all-gather": gathered, "all-reduce": summed})
-    assert [len(ax.patches) for ax in fig.axes] == [3, 9, 3]
+    before, after_gather, after_sum = ([box[4] for box in drawn(ax)] for ax in fig.axes)
+    assert before == ["0", "1", "2"]
+    assert after_gather == ["0", "1", "2"] * 3  # each device holds every block, in order
+    assert after_sum == [SUM] * 3
 
 
 def test_timelines_share_one_time_axis() -> None:
@@ -143,10 +166,20 @@ def test_temporaries_draw_a_line_per_schedule() -> None:
     assert [list(line.get_ydata()) for line in ax.get_lines()] == [[1.0, 2.0], [1.0, 1.0]]
 
 
-@pytest.mark.parametrize(("again", "boxes"), [(True, 3 * 4 + 2 * 4), (False, 2 * 4 + 2 * 4)])
-def test_fsdp_timeline_has_a_box_per_collective_and_pass(again: bool, boxes: int) -> None:
+@pytest.mark.parametrize("again", [True, False])
+def test_fsdp_timeline_draws_each_layer_s_collectives_and_passes_in_order(again: bool) -> None:
     ax = plot_fsdp_timeline([10, 10, 20, 10], gather_again=again).axes[0]
-    assert len(ax.patches) == boxes
+    boxes = sorted(drawn(ax))  # by start time
+    forward = ["AG0", "F0", "AG1", "F1", "AG2", "F2", "AG3", "F3"]
+    backward = [
+        step for i in (3, 2, 1, 0) for step in ([f"AG{i}"] if again else []) + [f"B{i}", f"RS{i}"]
+    ]
+    assert [box[4] for box in boxes] == forward + backward
+    widths = {box[4]: box[2] for box in boxes}
+    assert widths["AG2"] == widths["RS2"] == 1.0 and widths["AG0"] == 0.5  # bytes / largest
+    assert widths["F0"] == 1.0 and widths["B0"] == 2.0  # a backward pass is two forward passes
+    rows = {box[4][:2].rstrip("0123456789"): box[1] + box[3] / 2 for box in boxes}
+    assert rows["AG"] == rows["RS"] == 0 and rows["F"] == rows["B"] == 1
 
 
 def test_topology_places_each_device_in_its_process(mesh) -> None:
