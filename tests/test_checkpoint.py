@@ -23,11 +23,10 @@ from nnxscale.checkpoint import (
     check_matches,
     checksums,
     file_role,
-    restore_target,
 )
 from nnxscale.data import Batches, book_batches
 from nnxscale.init import abstract
-from nnxscale.layout import resolve
+from nnxscale.layout import Layout, resolve
 from nnxscale.losses import next_token_loss
 from nnxscale.model import TINY, Config, Transformer, create
 from nnxscale.rules import DP, FSDP, TP, strategy_mesh
@@ -189,21 +188,21 @@ def test_other_optimizer_names_the_mismatching_arrays(run) -> None:
     assert "and 35 more, all under optimizer/opt_state/0." in message
 
 
-def fsdp_target(cfg: Config) -> nnx.State:
-    """An abstract train state of `cfg`, laid out by FSDP: what a restore reads into."""
+def fsdp_target(cfg: Config) -> tuple[nnx.State, Layout]:
+    """An abstract train state of `cfg` and its FSDP layout: what a restore reads into."""
     _, values = nnx.split(abstract(lambda: TrainState(create(cfg), adamw())))
-    return restore_target(values, resolve(values, FSDP, strategy_mesh(FSDP)).shardings())
+    return values, resolve(values, FSDP, strategy_mesh(FSDP))
 
 
 def test_other_model_names_the_mismatching_arrays(run) -> None:
     with pytest.raises(CheckpointMismatchError, match="does not match") as error:
-        run["checkpoints"].restore_state(fsdp_target(TINY.replace(layers=3)))
+        run["checkpoints"].restore_state(*fsdp_target(TINY.replace(layers=3)))
     # a block has 8 arrays, each in the model, the EMA and AdamW's two moments
     assert "32 arrays the target has and checkpoint 8 lacks: ema/blocks/2/attention/key" in str(
         error.value
     )
     with pytest.raises(CheckpointMismatchError) as error:
-        run["checkpoints"].restore_state(fsdp_target(TINY.replace(vocab=64)))
+        run["checkpoints"].restore_state(*fsdp_target(TINY.replace(vocab=64)))
     message = str(error.value)  # the embedding and the head, 4 times each
     assert (
         "8 arrays of another shape or dtype: ema/embed (saved (128, 64) float32, wanted "

@@ -308,6 +308,24 @@ class SaveTimes:
     written: float | None = None
 
 
+def orbax_manager(
+    directory: Path, keep: int, create: bool, written: Callable[[], None] | None
+) -> ocp.CheckpointManager:
+    """Orbax's manager of a directory of steps, each a `state` and a `meta` (JSON) item, the
+    last `keep` kept; saves asynchronous when `written` is given (called as each completes)."""
+    options = ocp.CheckpointManagerOptions(
+        max_to_keep=keep,
+        enable_async_checkpointing=written is not None,
+        create=create,
+        cleanup_tmp_directories=create,
+        async_options=None
+        if written is None
+        else ocp.AsyncOptions(post_finalization_callback=written),
+    )
+    handlers = {"state": ocp.StandardCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()}
+    return ocp.CheckpointManager(directory, options=options, item_handlers=handlers)
+
+
 class Checkpoints:
     """A directory of train-state checkpoints, managed by Orbax: async saves, the last k kept."""
 
@@ -327,19 +345,8 @@ class Checkpoints:
             )
         self.discarded = self.partial() if create else []
         self.asynchronous = asynchronous
-        options = ocp.CheckpointManagerOptions(
-            max_to_keep=keep,
-            enable_async_checkpointing=asynchronous,
-            create=create,
-            cleanup_tmp_directories=create,
-            async_options=ocp.AsyncOptions(post_finalization_callback=self._written)
-            if asynchronous
-            else None,
-        )
-        handlers = {"state": ocp.StandardCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()}
-        self.manager = ocp.CheckpointManager(
-            self.directory, options=options, item_handlers=handlers
-        )
+        written = self._written if asynchronous else None
+        self.manager = orbax_manager(self.directory, keep, create, written)
         self.times: dict[int, SaveTimes] = {}
 
     def save(self, trainer: Trainer, data: Batches | None = None) -> float:
@@ -348,9 +355,8 @@ class Checkpoints:
         model's order, so any schedule, or none, restores them."""
         record = record_of(trainer, data)
         start = time.perf_counter()
-        state = trainer.state
-        if layer_rounds(state) > 1:
-            state = held_in(state, 1, trainer.layout)
+        state = trainer.state  # layers held in rounds (a pipeline) saved as one stack
+        state = held_in(state, 1, trainer.layout) if layer_rounds(state) > 1 else state
         self.manager.save(
             record.step,
             args=ocp.args.Composite(
@@ -441,27 +447,22 @@ class Checkpoints:
         store = ts.KvStore.open({"driver": "ocdbt", "base": f"file://{root}/"}).result()
         return {key.decode(): len(store.read(key).result().value) for key in store.list().result()}
 
-    def _read(self, values: nnx.State, layout: Layout, step: int) -> nnx.State:
-        """The saved state in `layout`, for a state shaped like `values`: read as the plain
-        stacks the checkpoint holds, then held in the rounds `values` holds its layers in."""
-        values = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), values)
-        rounds = layer_rounds(values)
-        if rounds == 1:
-            return self.restore_state(restore_target(values, layout.shardings()), step)
-        plain = group_layers(values, 1)
-        read = resolve(plain, layout.rules, layout.mesh)
-        return held_in(
-            self.restore_state(restore_target(plain, read.shardings()), step), rounds, layout
-        )
-
-    def restore_state(self, target: nnx.State, step: int | None = None) -> nnx.State:
-        """The saved state, read into `target`'s shapes and shardings (see `restore_target`)."""
+    def restore_state(
+        self, values: nnx.State, layout: Layout, step: int | None = None
+    ) -> nnx.State:
+        """The saved state of `step`, for a state shaped like `values`, laid out by `layout`:
+        read as the plain stacks the checkpoint holds (each device its shards), then held in
+        the rounds `values` holds its layers in; mismatching arrays are named first."""
         step = self._step(step)
-        check_matches(self.saved_arrays(step), array_index(target), f"checkpoint {step}")
-        restored = self.manager.restore(
+        shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), values)
+        rounds, plain = layer_rounds(shapes), group_layers(shapes, 1)
+        check_matches(self.saved_arrays(step), array_index(plain), f"checkpoint {step}")
+        read = layout if rounds == 1 else resolve(plain, layout.rules, layout.mesh)
+        target = restore_target(plain, read.shardings())
+        state = self.manager.restore(
             step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target))
-        )
-        return restored["state"]
+        )["state"]
+        return state if rounds == 1 else held_in(state, rounds, layout)
 
     def restore(
         self,
@@ -493,7 +494,7 @@ class Checkpoints:
         options = restored_options(record, options, changes)
         graphdef, values = nnx.split(abstract(lambda: state_to_restore(record, model, tx)))
         layout = resolve(values, rules, mesh)
-        state = self._read(values, layout, record.step)
+        state = self.restore_state(values, layout, record.step)
         return Trainer.from_layout(graphdef, state, layout, options, config=record.config)
 
     def restore_into(
@@ -503,7 +504,7 @@ class Checkpoints:
         record = self.record(step)
         if data is not None:
             check_data(record, data)
-        trainer.state = self._read(trainer.state, trainer.layout, record.step)
+        trainer.state = self.restore_state(trainer.state, trainer.layout, record.step)
         return trainer
 
     def files(self, step: int | None = None) -> list[tuple[str, int, str]]:
