@@ -109,7 +109,7 @@ def copy_of_the_book(destination: Path) -> Path:
 
 
 def executed(result: Run) -> bool:
-    return "jupyter-cache's local-parallel executor" in result.text
+    return "chapter(s) with jupyter-cache, one per core" in result.text
 
 
 def test_rebuilds_execute_again_when_needed_and_failures_fail(tmp_path: Path) -> None:
