@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import math
@@ -23,6 +24,7 @@ from nnxscale.checkpoint import (
     check_matches,
     checksums,
     file_role,
+    record_from,
 )
 from nnxscale.data import Batches, book_batches
 from nnxscale.init import abstract
@@ -313,11 +315,26 @@ def test_an_interleaved_run_resumes_unpipelined_and_under_another_schedule(tmp_p
         options = TrainOptions(dropout=False, grads_fn=pipeline.grads_fn(four, other))
         structure = pipeline.placed(create(cfg), other, virtual=4)
         rounds = checkpoints.restore(structure, adamw(), pipeline.rules_for(other), other, options)
-    assert rounds.model().blocks.mlp.up.shape == (4, 2, cfg.embed, cfg.mlp)
+    up = rounds.model().blocks.mlp.up
+    assert up.shape == (4, 2, cfg.embed, cfg.mlp)
+    for shard in up[...].addressable_shards:  # stage d holds layers d, d + 2, d + 4, d + 6
+        d = list(other.devices.flat).index(shard.device)
+        assert sorted(np.arange(8).reshape(4, 2)[shard.index[:2]].flat) == [d, d + 2, d + 4, d + 6]
     assert checksums(plain.state) == checksums(rounds.state) == saved
     expected = trainer.train(BATCHES, 2)
     for resumed in (plain, rounds):
         np.testing.assert_allclose(resumed.train(BATCHES, 2), expected, rtol=0, atol=1e-5)
+
+
+def test_a_record_from_another_version_is_refused_with_the_reason(run) -> None:
+    fields = dataclasses.asdict(run["checkpoints"].record(8))
+    assert record_from({**fields, "layer_order": None}, 8) == record_from(fields, 8)
+    with pytest.raises(CheckpointMismatchError, match="a pipeline's layers in a permuted order"):
+        record_from({**fields, "layer_order": [0, 2, 1, 3]}, 8)
+    with pytest.raises(
+        CheckpointMismatchError, match=r"fields this nnxscale does not know, \['x'\]"
+    ):
+        record_from({**fields, "x": 1}, 8)
 
 
 def program_text(compiled: jax.stages.Compiled) -> str:

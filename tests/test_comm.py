@@ -89,9 +89,7 @@ def test_all_to_all_and_permute_send_what_the_formulas_say(arrays) -> None:
         for s, block in enumerate(np.array_split(moved[d], n)):
             assert np.array_equal(block, np.array_split(arrays[s], n)[d])
     assert set(sent) == {ring_bytes("all-to-all", full, n)}
-    # a permute hands each device's whole buffer to its right neighbour, once
-    shifted = [arrays[(d - 1) % n] for d in range(n)]
-    assert all(np.array_equal(a, b) for a, b in zip(shifted[1:], arrays[:-1], strict=True))
+    # a permute hands each device's whole buffer to its right neighbour: one buffer each
     assert {a.size * ITEM for a in arrays} == {ring_bytes("collective-permute", full, n)}
 
 

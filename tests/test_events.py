@@ -60,8 +60,12 @@ def test_reads_a_string_and_lines_with_their_newlines() -> None:
 def test_an_unknown_event_or_field_is_named_not_skipped() -> None:
     with pytest.raises(ValueError, match=r"unknown event 'stpe'.*the kinds are"):
         events.read(['{"event": "stpe", "process": 0}'])
-    with pytest.raises(ValueError, match="a 'step' event with other fields"):
+    with pytest.raises(ValueError, match=r"a 'step' event missing \['loss'\], with unknown \[\]"):
         events.read(['{"event": "step", "process": 0, "step": 1}'])
+    with pytest.raises(ValueError, match=r"missing \[\], with unknown \['lost'\]"):
+        events.read(['{"event": "step", "process": 0, "step": 1, "loss": 2.0, "lost": 1}'])
+    with pytest.raises(ValueError, match="unknown event"):
+        events.read(['{"event": ["step"], "process": 0}'])
 
 
 def test_losses_and_checksums_round_trip_exactly(capsys) -> None:

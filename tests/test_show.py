@@ -53,8 +53,14 @@ def test_source_is_the_real_source() -> None:
     assert block.endswith("```")
 
 
-def test_glue_records_with_myst_nb_in_a_book_build_only(monkeypatch: pytest.MonkeyPatch) -> None:
-    InteractiveShell.instance()  # a kernel's shell, whose display outputs are captured
+@pytest.fixture
+def shell():
+    """A kernel's shell, whose display outputs `capture_output` collects; gone afterwards."""
+    yield InteractiveShell.instance()
+    InteractiveShell.clear_instance()
+
+
+def test_glue_records_with_myst_nb_in_a_book_build_only(shell, monkeypatch) -> None:
     monkeypatch.delenv(BOOK_BUILD_ENV, raising=False)
     with capture_output() as outside:
         glue("answer", 42)

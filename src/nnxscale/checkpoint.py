@@ -12,11 +12,15 @@ Restoring builds its target from the abstract train state laid out by any rule s
 mesh: concrete `NamedSharding`s, no memory. Orbax then reads each device's shard of each
 array straight from the files, so a checkpoint saved under FSDP on 8 devices restores under
 TP on a 4x2 mesh, or on 4 devices in another process, and no device holds a whole array.
+Stacked layers that a pipeline holds in rounds (`nnxscale.model.group_layers`) are saved as
+one plain stack, in the model's order, and restored by reading the plain stack's shards and
+moving the layers between devices once, so any schedule, or none, restores any checkpoint.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import re
@@ -41,7 +45,7 @@ from nnxscale.model import Config, group_layers, layer_rounds
 from nnxscale.rules import Rules
 from nnxscale.show import table
 from nnxscale.train import Trainer, TrainOptions, TrainState
-from nnxscale.trees import is_key, key_data, path_str, stand_in
+from nnxscale.trees import is_key, key_data, path_str, shapes_of, stand_in
 
 PARTIAL = ".orbax-checkpoint-tmp"
 """Suffix of the directory Orbax writes a step into before renaming it: an unfinished save."""
@@ -111,6 +115,27 @@ class Record:
 def _said(options: dict[str, Any]) -> str:
     """Recorded training options as `name value` pairs, leaving out those not set."""
     return ", ".join(f"{k} {v}" for k, v in options.items() if v is not None)
+
+
+def record_from(fields: dict[str, Any], step: int) -> Record:
+    """The record a checkpoint's `meta/` item holds. Checkpoints written before pipelines held
+    their layers in rounds recorded `layer_order`: one stored permuted is refused with the
+    reason, rather than restored into a model that would run its layers out of order."""
+    fields = dict(fields)
+    if fields.pop("layer_order", None) is not None:
+        raise CheckpointMismatchError(
+            f"the checkpoint of step {step} stores a pipeline's layers in a permuted order "
+            "(written by an earlier nnxscale, before pipelines held layers in rounds): restore "
+            "it with that version, or train from a checkpoint of this one."
+        )
+    known = {f.name for f in dataclasses.fields(Record)}
+    unknown = sorted(set(fields) - known)
+    if unknown:
+        raise CheckpointMismatchError(
+            f"the record of step {step} has fields this nnxscale does not know, {unknown}: it "
+            "was written by another version; restore it with that version."
+        )
+    return Record(**fields)
 
 
 def record_of(trainer: Trainer, data: Batches | None) -> Record:
@@ -257,10 +282,22 @@ def restore_target(values: nnx.State, shardings: Any) -> nnx.State:
 
 def held_in(state: Any, rounds: int, layout: Layout) -> Any:
     """`state` with its stacked layers held in `rounds` rounds (`group_layers`), laid out by
-    `layout`'s rules on its mesh: one program, in which the layers move between devices once."""
-    shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state)
-    target = resolve(group_layers(shapes, rounds), layout.rules, layout.mesh)
-    return jax.jit(lambda s: group_layers(s, rounds), out_shardings=target.shardings())(state)
+    `layout`'s rules on its mesh: one program, compiled once per layout, in which the layers
+    move between devices once. (Its input is not donated: the arrays change shape, so XLA
+    could not reuse their buffers, and would warn.)"""
+    return _regrouping(rounds, layout)(state)
+
+
+@functools.lru_cache(maxsize=8)
+def _regrouping(rounds: int, layout: Layout) -> Callable[[Any], Any]:
+    """The jitted program of `held_in`."""
+
+    def regroup(state: Any) -> Any:
+        held = group_layers(state, rounds)
+        placed = resolve(held, layout.rules, layout.mesh).shardings()
+        return jax.lax.with_sharding_constraint(held, placed)
+
+    return jax.jit(regroup)
 
 
 def checksums(tree: Any) -> dict[str, str]:
@@ -417,7 +454,7 @@ class Checkpoints:
         """The record of the checkpoint of `step` (default: the latest)."""
         step = self._step(step)
         meta = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
-        return Record(**meta["meta"])
+        return record_from(meta["meta"], step)
 
     def _stored_tree(self, step: int | None) -> dict[str, Any]:
         """Path -> Orbax's metadata of each saved array (each NNX variable is {"value": ...})."""
@@ -454,7 +491,7 @@ class Checkpoints:
         read as the plain stacks the checkpoint holds (each device its shards), then held in
         the rounds `values` holds its layers in; mismatching arrays are named first."""
         step = self._step(step)
-        shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), values)
+        shapes = shapes_of(values)
         rounds, plain = layer_rounds(shapes), group_layers(shapes, 1)
         check_matches(self.saved_arrays(step), array_index(plain), f"checkpoint {step}")
         read = layout if rounds == 1 else resolve(plain, layout.rules, layout.mesh)

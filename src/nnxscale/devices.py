@@ -46,7 +46,7 @@ def _backend_started() -> bool:
 def native_devices() -> tuple[int, str]:
     """How many devices JAX finds on its own, and their platform, asked of a fresh process
     (so that this one can still choose to emulate)."""
-    probe = "import jax; d = jax.devices(); print(len(d), d[0].platform)"
+    probe = "import jax; d = jax.devices(); print('found', len(d), d[0].platform)"
     done = run([sys.executable, "-c", probe], timeout=600, check=False)
     if done.returncodes != [0]:
         raise RuntimeError(
@@ -54,7 +54,8 @@ def native_devices() -> tuple[int, str]:
             f"{done.text[-2000:]}\nSet {DEVICES_ENV} to a count, such as 8, to emulate CPU "
             "devices instead."
         )
-    count, platform = done.output[-1].split()
+    found = next(line for line in done.output if line.startswith("found "))
+    _, count, platform = found.split()
     return int(count), platform
 
 

@@ -153,16 +153,15 @@ def parse(line: str) -> Event | None:
     if not isinstance(fields, dict) or "event" not in fields:
         return None
     kind = fields.pop("event")
-    if kind not in KINDS:
+    if not isinstance(kind, str) or kind not in KINDS:
         raise ValueError(f"unknown event {kind!r} in {line!r}; the kinds are {sorted(KINDS)}")
     if prefix and "process" not in fields:
         fields["process"] = int(prefix[1])
-    try:
-        return KINDS[kind](**fields)
-    except TypeError as error:
-        raise ValueError(
-            f"a {kind!r} event with other fields than {KINDS[kind]}: {line!r}"
-        ) from error
+    wanted = {f.name for f in dataclasses.fields(KINDS[kind])}
+    if set(fields) != wanted:
+        missing, extra = sorted(wanted - set(fields)), sorted(set(fields) - wanted)
+        raise ValueError(f"a {kind!r} event missing {missing}, with unknown {extra}: {line!r}")
+    return KINDS[kind](**fields)
 
 
 def read(

@@ -182,9 +182,9 @@ class Collective:
 
     @property
     def reader_arrays(self) -> tuple[tuple[int, ...], ...]:
-        """The dimensions of what each instruction that reads its result produces: an
+        """The dimensions of every array the instructions that read its result produce: an
         all-reduce read only into this device's slice is a reduce-scatter in all-reduce form."""
-        return tuple(tuple(_ints(_ARRAY.findall(r)[0][1])) for r in self.readers)
+        return tuple(tuple(_ints(dims)) for r in self.readers for _, dims in _ARRAY.findall(r))
 
     @property
     def array_bytes(self) -> int:

@@ -129,7 +129,7 @@ class Run:
                     i = failed[0]
                     failure = f"process {i} (pid {self.workers[i].pid}) {how_it_ended(codes[i])}"
                     break
-                if all(code is not None for code in codes) and not failed:
+                if all(code is not None for code in codes):
                     break
                 if time.monotonic() > deadline:
                     failure = f"the run exceeded its timeout of {timeout:g} s"
@@ -247,7 +247,7 @@ def run(
     """Run `command` (a Python program, or any other) as one process in `cwd`, with `devices`
     emulated devices (None: as the environment says), and wait for it; the finished run
     (`output`, `returncodes`, `text`). With `check`, a non-zero exit raises LaunchError with
-    its last lines."""
+    its last lines; running past `timeout` raises it either way."""
     finished = start(command, 1, devices, echo=None, env=env, cwd=cwd)
     finished.wait(timeout, check=check)
     return finished

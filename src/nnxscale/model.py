@@ -123,6 +123,11 @@ CAST_WEIGHTS = ("query", "key", "value", "out", "up", "down", "head")
 """The parameters the model reads through `compute_copy`: its matrix products' weights."""
 
 
+def _names(variable: nnx.Variable) -> tuple[str | None, ...]:
+    """The variable's logical names (Flax's `out_sharding` metadata); () if it has none."""
+    return tuple(variable.get_metadata().get("out_sharding") or ())
+
+
 def compute_copy(param: nnx.Param, dtype: Any) -> jax.Array:
     """The weight in the compute dtype, cast where it is stored: each device casts its own
     shard, so a strategy that gathers weights (FSDP) gathers the compute-dtype copy, half the
@@ -131,9 +136,9 @@ def compute_copy(param: nnx.Param, dtype: Any) -> jax.Array:
     value = param[...]
     if value.dtype == jnp.dtype(dtype):
         return value
-    names = param.get_metadata().get("out_sharding")
+    names = _names(param) or None
     if names is not None:  # inside a scan over stacked layers, a slice: drop the stacked names
-        names = tuple(names)[len(names) - value.ndim :]
+        names = names[len(names) - value.ndim :]
     placed = weight_layout(value.shape, names)
     return _cast_where_stored(value, jnp.dtype(dtype), placed, value.dtype)
 
@@ -290,10 +295,6 @@ def _stacked_blocks(cfg: Config, rngs: nnx.Rngs) -> Block:
     return create(rngs)
 
 
-def _names(variable: nnx.Variable) -> tuple[str | None, ...]:
-    return tuple(variable.get_metadata().get("out_sharding") or ())
-
-
 def _reshaped(value: Any, shape: tuple[int, ...]) -> Any:
     """`value` (an array, or an abstract one) reshaped: the same elements in the same order."""
     if isinstance(value, jax.ShapeDtypeStruct):
@@ -332,6 +333,10 @@ def group_layers(tree: Any, rounds: int) -> Any:
     ...) named `rounds, layers, ...`; `rounds=1` gives the plain stacks back. The layers stay
     in the model's order, so this is a reshape: an interleaved pipeline splits the second
     dimension over its stages, and each device then holds one run of layers per round."""
+    if not isinstance(rounds, int) or rounds < 1:
+        raise ValueError(
+            f"rounds={rounds!r}: hold the layers in a whole number of rounds, 1 or more"
+        )
     return jax.tree.map(
         lambda x: _regrouped(x, rounds), tree, is_leaf=lambda x: isinstance(x, nnx.Variable)
     )
@@ -339,13 +344,17 @@ def group_layers(tree: Any, rounds: int) -> Any:
 
 def layer_rounds(tree: Any) -> int:
     """In how many rounds `tree` holds its stacked layers (`group_layers`): 1 for plain stacks."""
-    found = {
-        int(x.get_value().shape[0])
+    stacked = [
+        x
         for x in jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, nnx.Variable))
-        if isinstance(x, nnx.Variable) and _names(x)[:1] == (ROUNDS,)
-    }
+        if isinstance(x, nnx.Variable) and _names(x)[:1] in ((ROUNDS,), ("layers",))
+    ]
+    found = {x.get_value().shape[0] if _names(x)[0] == ROUNDS else 1 for x in stacked}
     if len(found) > 1:
-        raise ValueError(f"stacked layers held in different numbers of rounds: {sorted(found)}")
+        raise ValueError(
+            f"stacked layers held in different numbers of rounds: {sorted(found)} (1: a plain "
+            "stack); regroup them all with group_layers(tree, rounds)"
+        )
     return found.pop() if found else 1
 
 

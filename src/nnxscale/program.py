@@ -22,9 +22,10 @@ from typing import Any
 from jaxlib import xla_client
 
 _CALLEES = re.compile(
-    r"\b(body|condition|calls|to_apply|true_computation|false_computation)=%?([\w.\-]+)"
+    r"\b(body|condition|calls|to_apply|true_computation|false_computation|select|scatter)"
+    r"=%?([\w.\-]+)"
 )
-_BRANCHES = re.compile(r"\bbranch_computations=\{([^}]*)\}")
+_BRANCHES = re.compile(r"\b(branch|called)_computations=\{([^}]*)\}")
 _TRIP_COUNT = re.compile(r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"(\d+)"')
 _PARTITIONS = re.compile(r"\bnum_partitions=(\d+)")
 _ENTRY = re.compile(r"^ENTRY %?([\w.\-]+)", re.M)
@@ -76,8 +77,8 @@ class Instruction:
         """(role, computation) of every computation it calls: loop body and condition,
         fused or applied computations, and each branch of a conditional."""
         found = [(role, callee) for role, callee in _CALLEES.findall(self.attributes)]
-        for branches in _BRANCHES.findall(self.attributes):
-            found += [("branch", b.strip().lstrip("%")) for b in branches.split(",")]
+        for role, listed in _BRANCHES.findall(self.attributes):
+            found += [(role, b.strip().lstrip("%")) for b in listed.split(",")]
         return found
 
     def trip_count(self) -> int | None:
@@ -99,6 +100,11 @@ class Program:
         """The program of a `jax.stages.Compiled`, or of HLO text (read once per program)."""
         if isinstance(program, str):
             return _from_text(program)
+        if not hasattr(program, "runtime_executable"):
+            raise TypeError(
+                f"expected a compiled program (jax.jit(f).lower(...).compile()) or its HLO "
+                f"text, got a {type(program).__name__}"
+            )
         try:
             return _COMPILED[program]
         except KeyError:

@@ -37,6 +37,11 @@ def key_data(x: jax.Array) -> jax.Array:
     return jax.random.key_data(x) if is_key(x) else x
 
 
+def shapes_of(tree: Any) -> Any:
+    """`tree` with every array as its shape and dtype (`jax.ShapeDtypeStruct`), variables kept."""
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)
+
+
 def stand_in(x: Any) -> Any:
     """A zero array shaped like abstract array `x` (random keys included); other leaves as
     they are. Inside `jax.eval_shape` it costs no memory: what an abstract model needs to be
