@@ -16,23 +16,27 @@ import nnxscale_book as ext
 
 @pytest.fixture
 def tree(tmp_path: Path) -> Path:
-    (tmp_path / "src" / "pkg").mkdir(parents=True)
-    (tmp_path / "src" / "pkg" / "mod.py").write_text("x = 1\n")
+    (tmp_path / "src" / "nnxscale" / "__pycache__").mkdir(parents=True)
+    (tmp_path / "src" / "nnxscale" / "mod.py").write_text("x = 1\n")
+    (tmp_path / "src" / "nnxscale" / "calculator.js").write_text("let x = 1;\n")
     (tmp_path / "requirements.txt").write_text("jax==0.10.2\n")
     return tmp_path
 
 
 def test_digest_follows_the_library_the_pins_and_the_device_count(tree, monkeypatch) -> None:
     monkeypatch.delenv("NNXSCALE_DEVICES", raising=False)
-    first = ext.inputs_digest(tree)
-    assert ext.inputs_digest(tree) == first
-    (tree / "src" / "pkg" / "mod.py").write_text("x = 2\n")
-    second = ext.inputs_digest(tree)
+    digests = [ext.inputs_digest(tree)]
+    (tree / "src" / "nnxscale" / "__pycache__" / "mod.pyc").write_bytes(b"compiled")
+    assert ext.inputs_digest(tree) == digests[0]  # what Python caches is not an input
+    (tree / "src" / "nnxscale" / "mod.py").write_text("x = 2\n")
+    digests.append(ext.inputs_digest(tree))
+    (tree / "src" / "nnxscale" / "calculator.js").write_text("let x = 2;\n")
+    digests.append(ext.inputs_digest(tree))
     (tree / "requirements.txt").write_text("jax==0.10.3\n")
-    third = ext.inputs_digest(tree)
+    digests.append(ext.inputs_digest(tree))
     monkeypatch.setenv("NNXSCALE_DEVICES", "16")
-    fourth = ext.inputs_digest(tree)
-    assert len({first, second, third, fourth}) == 4
+    digests.append(ext.inputs_digest(tree))
+    assert len(set(digests)) == 5
 
 
 def test_treescope_outputs_are_inserted_only_once_parsed() -> None:
