@@ -20,14 +20,17 @@ from nnxscale.checkpoint import (
     PARTIAL,
     CheckpointMismatchError,
     Checkpoints,
+    CorruptCheckpointError,
     NoCheckpointError,
     check_matches,
     checksums,
     file_role,
     record_from,
+    sealed,
 )
 from nnxscale.data import Batches, book_batches
 from nnxscale.init import abstract
+from nnxscale.integrity import seal
 from nnxscale.layout import Layout, resolve
 from nnxscale.losses import next_token_loss
 from nnxscale.model import TINY, Config, Transformer, create
@@ -56,7 +59,12 @@ def run(tmp_path_factory) -> dict:
 
 def test_keeps_the_last_k(run) -> None:
     assert run["checkpoints"].steps() == [6, 8]
-    assert sorted(p.name for p in run["dir"].iterdir()) == ["6", "8"]
+    assert sorted(p.name for p in run["dir"].iterdir()) == [
+        ".nnxscale-writer.lock",  # the writer's lock (taken while it is open)
+        "6",
+        "8",
+        "nnxscale-run.json",  # the run whose checkpoints these are
+    ]
 
 
 def test_each_save_records_when_it_started_returned_and_was_written(run) -> None:
@@ -327,14 +335,19 @@ def test_an_interleaved_run_resumes_unpipelined_and_under_another_schedule(tmp_p
 
 
 def test_a_record_from_another_version_is_refused_with_the_reason(run) -> None:
-    fields = dataclasses.asdict(run["checkpoints"].record(8))
+    fields = sealed(run["checkpoints"].record(8))
     assert record_from({**fields, "layer_order": None}, 8) == record_from(fields, 8)
     with pytest.raises(CheckpointMismatchError, match="a pipeline's layers in a permuted order"):
         record_from({**fields, "layer_order": [0, 2, 1, 3]}, 8)
+    newer = {k: v for k, v in fields.items() if k != "seal"} | {"x": 1}
     with pytest.raises(
         CheckpointMismatchError, match=r"fields this nnxscale does not know, \['x'\]"
     ):
-        record_from({**fields, "x": 1}, 8)
+        record_from({**newer, "seal": seal(newer)}, 8)
+    with pytest.raises(CorruptCheckpointError, match="altered after it was written"):
+        record_from({**fields, "ema_decay": 0.5}, 8)
+    with pytest.raises(CorruptCheckpointError, match="has no seal"):
+        record_from(dataclasses.asdict(run["checkpoints"].record(8)), 8)
 
 
 def program_text(compiled: jax.stages.Compiled) -> str:

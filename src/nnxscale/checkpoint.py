@@ -19,15 +19,16 @@ moving the layers between devices once, so any schedule, or none, restores any c
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
-import hashlib
 import json
 import re
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import jax
 import numpy as np
@@ -40,12 +41,26 @@ from jax.sharding import Mesh
 from nnxscale.data import Batches
 from nnxscale.environment import versions
 from nnxscale.init import abstract
+from nnxscale.integrity import (
+    LOCK_FILE,
+    RUN_FILE,
+    WriterLock,
+    checksums,
+    claim_directory,
+    directory_run,
+    leaves_of,
+    seal,
+)
 from nnxscale.layout import Layout, resolve
 from nnxscale.model import Config, group_layers, layer_rounds
 from nnxscale.rules import Rules
 from nnxscale.show import table
-from nnxscale.train import Trainer, TrainOptions, TrainState
-from nnxscale.trees import is_key, key_data, path_str, shapes_of, stand_in
+from nnxscale.train import Trainer, TrainOptions, TrainState, check_optimizer
+from nnxscale.trees import is_key, shapes_of, stand_in
+
+T = TypeVar("T")
+
+FALL_BACK = "restore() without a step falls back to the newest step that verifies."
 
 PARTIAL = ".orbax-checkpoint-tmp"
 """Suffix of the directory Orbax writes a step into before renaming it: an unfinished save."""
@@ -63,6 +78,19 @@ class CheckpointMismatchError(CheckpointError):
     """A checkpoint whose arrays, or data, differ from what the restore asks for."""
 
 
+class CorruptCheckpointError(CheckpointError):
+    """A step whose files do not hold what its record says was saved: damaged, truncated,
+    copied in from another run, or written without checksums. `restore()` falls back past it."""
+
+
+class SaveError(CheckpointError):
+    """A save that did not happen; the message says why, and what was kept."""
+
+
+class SkippedCheckpointWarning(UserWarning):
+    """`restore()` passed over newer steps that did not verify, to restore an older one."""
+
+
 @dataclasses.dataclass(frozen=True)
 class Record:
     """What a checkpoint says about the run that saved it (its `meta/` item)."""
@@ -78,6 +106,10 @@ class Record:
     versions: dict[str, str]
     options: dict[str, Any] | None = None
     """The run's training options (`TrainOptions.recorded`): restores train as it did."""
+    run: str | None = None
+    """The identity of the run that saved it (`Trainer.run`): one directory, one run."""
+    arrays: dict[str, list[Any]] | None = None
+    """Path -> [shape, dtype, checksum] of every array saved (`integrity.checksums`)."""
 
     @property
     def devices(self) -> int:
@@ -112,21 +144,41 @@ class Record:
         return str(table(["field", "value"], rows))
 
 
+def _error(error: BaseException) -> str:
+    """An exception as `Type: first line of its message`."""
+    lines = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {lines[0] if lines else ''}"[:300]
+
+
 def _said(options: dict[str, Any]) -> str:
     """Recorded training options as `name value` pairs, leaving out those not set."""
     return ", ".join(f"{k} {v}" for k, v in options.items() if v is not None)
 
 
 def record_from(fields: dict[str, Any], step: int) -> Record:
-    """The record a checkpoint's `meta/` item holds. Checkpoints written before pipelines held
-    their layers in rounds recorded `layer_order`: one stored permuted is refused with the
-    reason, rather than restored into a model that would run its layers out of order."""
+    """The record a checkpoint's `meta/` item holds, its seal verified. Checkpoints written
+    before pipelines held their layers in rounds recorded `layer_order`: one stored permuted is
+    refused with the reason, rather than restored into a model that would run its layers out
+    of order."""
     fields = dict(fields)
     if fields.pop("layer_order", None) is not None:
         raise CheckpointMismatchError(
             f"the checkpoint of step {step} stores a pipeline's layers in a permuted order "
             "(written by an earlier nnxscale, before pipelines held layers in rounds): restore "
             "it with that version, or train from a checkpoint of this one."
+        )
+    sealed = fields.pop("seal", None)
+    if sealed is None:
+        raise CorruptCheckpointError(
+            f"the record of step {step} has no seal: it was written by an nnxscale that did not "
+            "verify its checkpoints, or not by nnxscale, so what it holds cannot be checked. "
+            "Restore it with the version that wrote it, or train from a checkpoint of this one."
+        )
+    if sealed != seal(fields):
+        raise CorruptCheckpointError(
+            f"the record of step {step} (meta/metadata) was altered after it was written: its "
+            "seal does not match its fields. Restore an older step (restore() without a step "
+            "falls back to the newest that verifies)."
         )
     known = {f.name for f in dataclasses.fields(Record)}
     unknown = sorted(set(fields) - known)
@@ -138,13 +190,21 @@ def record_from(fields: dict[str, Any], step: int) -> Record:
     return Record(**fields)
 
 
-def record_of(trainer: Trainer, data: Batches | None) -> Record:
-    """The record of `trainer`'s current state, and of where in `data` it stands."""
+def sealed(record: Record) -> dict[str, Any]:
+    """The fields a checkpoint's `meta/` item holds: the record's, and their seal."""
+    fields = json.loads(json.dumps(dataclasses.asdict(record)))  # as the JSON will hold them
+    return {**fields, "seal": seal(fields)}
+
+
+def record_of(trainer: Trainer, data: Batches | None, saved: Any) -> Record:
+    """The record of `trainer`'s current state, saved as `saved` (its layers in one plain
+    stack), and of where in `data` it stands; every array's checksum included."""
     state = nnx.merge(trainer.graphdef, trainer.state)  # no copy: the same arrays
     step = trainer.step_count()
     rules = dataclasses.asdict(trainer.layout.rules)
     position = None if data is None else {**data.describe(), "next_batch": step}
     installed = versions(("jax", "flax", "orbax-checkpoint"))
+    sums = checksums(saved)
     return Record(
         step=step,
         config=trainer.config,
@@ -156,18 +216,12 @@ def record_of(trainer: Trainer, data: Batches | None) -> Record:
         saved_at=time.time(),
         versions=installed,
         options=trainer.options.recorded(),
+        run=trainer.run,
+        arrays={
+            path: [list(shape), dtype, sums[path]]
+            for path, (shape, dtype) in array_index(saved).items()
+        },
     )
-
-
-def _leaves(tree: Any) -> list[tuple[str, Any]]:
-    """(`/`-joined path, array or abstract array) of every leaf; NNX variables give their value."""
-    leaves, _ = jax.tree_util.tree_flatten_with_path(
-        tree, is_leaf=lambda x: isinstance(x, nnx.Variable) or hasattr(x, "dtype")
-    )
-    return [
-        (path_str(key_path), leaf.get_value() if isinstance(leaf, nnx.Variable) else leaf)
-        for key_path, leaf in leaves
-    ]
 
 
 def _stored(shape: tuple[int, ...], dtype: Any) -> tuple[tuple[int, ...], str]:
@@ -180,7 +234,7 @@ def _stored(shape: tuple[int, ...], dtype: Any) -> tuple[tuple[int, ...], str]:
 
 def array_index(tree: Any) -> dict[str, tuple[tuple[int, ...], str]]:
     """Path -> (shape, dtype) as Orbax stores them, for a state or an abstract state."""
-    return {path: _stored(tuple(leaf.shape), leaf.dtype) for path, leaf in _leaves(tree)}
+    return {path: _stored(tuple(leaf.shape), leaf.dtype) for path, leaf in leaves_of(tree)}
 
 
 def _listing(items: list[str], limit: int = 6) -> str:
@@ -300,18 +354,6 @@ def _regrouping(rounds: int, layout: Layout) -> Callable[[Any], Any]:
     return jax.jit(regroup)
 
 
-def checksums(tree: Any) -> dict[str, str]:
-    """Path -> SHA-256 (first 16 hex digits) of each array's shape, dtype and bytes, the
-    stacked layers taken as one plain stack, however a pipeline holds them (`group_layers`)."""
-    sums = {}
-    for path, leaf in _leaves(group_layers(tree, 1)):
-        host = np.asarray(jax.device_get(key_data(leaf)))
-        digest = hashlib.sha256(f"{host.shape}{host.dtype}".encode())
-        digest.update(np.ascontiguousarray(host).tobytes())
-        sums[path] = digest.hexdigest()[:16]
-    return sums
-
-
 FILE_ROLES = (
     (r"^state/ocdbt\.process_\d+/d/", "array data: zstd-compressed chunks this process wrote"),
     (r"^state/ocdbt\.process_\d+/manifest", "this process's key-value store: its manifest"),
@@ -364,7 +406,8 @@ def orbax_manager(
 
 
 class Checkpoints:
-    """A directory of train-state checkpoints, managed by Orbax: async saves, the last k kept."""
+    """A directory of train-state checkpoints, managed by Orbax: async saves, the last k kept,
+    every step verified when read, one writer at a time."""
 
     def __init__(
         self,
@@ -374,38 +417,92 @@ class Checkpoints:
         asynchronous: bool = True,
         create: bool = True,
     ) -> None:
+        if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
+            raise ValueError(
+                f"keep={keep!r}: a directory keeps its newest `keep` checkpoints and deletes "
+                "the others, so it must be a whole number of at least 1."
+            )
         self.directory = Path(directory).absolute()
         if not create and not self.directory.is_dir():
             raise NoCheckpointError(
                 f"no checkpoint directory at {self.directory}: check the path, or save "
                 "checkpoints there first (Checkpoints(directory).save(trainer))."
             )
+        self.lock = None
+        if create:  # one writer: taken before Orbax may delete an unfinished save
+            self.directory.mkdir(parents=True, exist_ok=True)
+            if jax.process_index() == 0:
+                self.lock = WriterLock(self.directory)
         self.discarded = self.partial() if create else []
         self.asynchronous = asynchronous
+        self.writable = create
         written = self._written if asynchronous else None
         self.manager = orbax_manager(self.directory, keep, create, written)
         self.times: dict[int, SaveTimes] = {}
+        self.skipped: dict[int, str] = {}  # steps the last restore passed over, and why
 
-    def save(self, trainer: Trainer, data: Batches | None = None) -> float:
-        """Start saving `trainer`'s state at its step; returns the seconds training waited.
-        Stacked layers that a pipeline holds in rounds are saved as one plain stack, in the
-        model's order, so any schedule, or none, restores them."""
-        record = record_of(trainer, data)
+    def save(
+        self, trainer: Trainer, data: Batches | None = None, *, overwrite: bool = False
+    ) -> float:
+        """Start saving `trainer`'s state at its step, with every array's checksum; returns the
+        seconds training waited. Raises SaveError, before anything is written, when the step
+        is at or below the newest here, or the directory holds another run's checkpoints
+        (`overwrite=True` deletes those first). Stacked layers that a pipeline holds in rounds
+        are saved as one plain stack, in the model's order, so any schedule restores them."""
+        if not self.writable:
+            raise SaveError(
+                f"{self.directory} was opened to read (create=False): open it with "
+                "Checkpoints(directory) to save."
+            )
         start = time.perf_counter()
+        step = trainer.step_count()
+        self._make_room(step, trainer.run, overwrite)
         state = trainer.state  # layers held in rounds (a pipeline) saved as one stack
         state = held_in(state, 1, trainer.layout) if layer_rounds(state) > 1 else state
-        self.manager.save(
-            record.step,
+        record = record_of(trainer, data, state)
+        if jax.process_index() == 0 and directory_run(self.directory) != trainer.run:
+            claim_directory(self.directory, trainer.run)
+        started = self.manager.save(
+            step,
             args=ocp.args.Composite(
-                state=ocp.args.StandardSave(state),
-                meta=ocp.args.JsonSave(dataclasses.asdict(record)),
+                state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(sealed(record))
             ),
         )
+        if not started:
+            raise SaveError(
+                f"Orbax declined to save step {step} in {self.directory} (its steps: "
+                f"{self.steps()}); nothing was written. Save to a new directory."
+            )
         returned = time.perf_counter()
-        self.times[record.step] = SaveTimes(
-            start, returned, None if self.asynchronous else returned
-        )
+        self.times[step] = SaveTimes(start, returned, None if self.asynchronous else returned)
         return returned - start
+
+    def _make_room(self, step: int, run: str, overwrite: bool) -> None:
+        """Refuse a save Orbax would drop, or one that mixes two runs; with `overwrite`, delete
+        the checkpoints in the way instead."""
+        steps = sorted(self.manager.all_steps())  # this writer's view: no reload mid-save
+        owner = directory_run(self.directory)
+        foreign = bool(steps) and owner is not None and owner != run
+        later = [s for s in steps if s >= step]
+        if not overwrite and foreign:
+            raise SaveError(
+                f"{self.directory} holds the checkpoints {steps} of another run ({owner[:8]}), "
+                f"and this trainer is run {run[:8]}, created rather than restored from them: "
+                "saving here would mix two runs' histories. Save to a new directory, or pass "
+                "overwrite=True to delete that run's checkpoints first."
+            )
+        if not overwrite and later:
+            raise SaveError(
+                f"step {step} is at or below the newest checkpoint in {self.directory} (step "
+                f"{steps[-1]}): Orbax keeps steps increasing and would drop this save. Train "
+                f"past step {steps[-1]} before saving, or pass overwrite=True to replace steps "
+                f"{later}."
+            )
+        doomed = steps if foreign else later
+        if doomed:
+            self.wait()
+            for old in doomed:
+                self.manager.delete(old)
 
     @property
     def blocked(self) -> dict[int, float]:
@@ -417,9 +514,20 @@ class Checkpoints:
         self.times[max(self.times)].written = time.perf_counter()
 
     def wait(self) -> float:
-        """Block until every started save is on disk; returns the seconds waited."""
+        """Block until every started save is on disk; returns the seconds waited. A save that
+        failed in the background raises SaveError here, naming what was kept."""
         start = time.perf_counter()
-        self.manager.wait_until_finished()
+        try:
+            self.manager.wait_until_finished()
+        except Exception as error:
+            pending = sorted(step for step, t in self.times.items() if t.written is None)
+            raise SaveError(
+                f"the save of step {pending[-1] if pending else '?'} failed while writing "
+                f"({type(error).__name__}: {error}). It is not a checkpoint: its unfinished "
+                f"directory is ignored, and deleted by the next save. The complete "
+                f"checkpoints are intact: {self.steps()}. Fix the cause (a full disk, "
+                "permissions) and save again."
+            ) from error
         return time.perf_counter() - start
 
     def steps(self) -> list[int]:
@@ -441,7 +549,9 @@ class Checkpoints:
             return steps[-1]
         if step in steps:
             return step
-        contents = sorted(p.name for p in self.directory.iterdir())
+        contents = sorted(
+            p.name for p in self.directory.iterdir() if p.name not in (LOCK_FILE, RUN_FILE)
+        )
         found = f"it holds {_listing(contents)}" if contents else "it is empty"
         wanted = "complete checkpoint" if step is None else f"checkpoint of step {step}"
         unfinished = " (unfinished saves are ignored)" if self.partial() else ""
@@ -453,13 +563,38 @@ class Checkpoints:
     def record(self, step: int | None = None) -> Record:
         """The record of the checkpoint of `step` (default: the latest)."""
         step = self._step(step)
-        meta = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
-        return record_from(meta["meta"], step)
+        try:
+            meta = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))[
+                "meta"
+            ]
+        except Exception as error:
+            raise CorruptCheckpointError(
+                f"the record of step {step} (meta/metadata) cannot be read ({_error(error)}): "
+                "the step is damaged, or was not written by nnxscale's Checkpoints. " + FALL_BACK
+            ) from error
+        if not isinstance(meta, dict):
+            raise CorruptCheckpointError(
+                f"the record of step {step} holds a {type(meta).__name__}, not a record: the "
+                "step is damaged, or was not written by nnxscale's Checkpoints. " + FALL_BACK
+            )
+        record = record_from(meta, step)
+        try:
+            owner = directory_run(self.directory)
+        except ValueError as error:
+            raise CorruptCheckpointError(str(error)) from None
+        if record.step != step or (owner is not None and record.run != owner):
+            raise CorruptCheckpointError(
+                f"the checkpoint in {self.directory / str(step)} was saved as step "
+                f"{record.step} of run {str(record.run)[:8]}, and this directory holds the "
+                f"checkpoints of run {str(owner)[:8]}: it was copied in from another run, "
+                "whose weights it holds. Restore it from that run's directory. " + FALL_BACK
+            )
+        return record
 
     def _stored_tree(self, step: int | None) -> dict[str, Any]:
         """Path -> Orbax's metadata of each saved array (each NNX variable is {"value": ...})."""
         tree = self.manager.item_metadata(self._step(step))["state"].tree
-        return {path.removesuffix("/value"): leaf for path, leaf in _leaves(tree)}
+        return {path.removesuffix("/value"): leaf for path, leaf in leaves_of(tree)}
 
     def saved_arrays(self, step: int | None = None) -> dict[str, tuple[tuple[int, ...], str]]:
         """Path -> (shape, dtype) of every array in the checkpoint of `step`, from its metadata."""
@@ -487,19 +622,77 @@ class Checkpoints:
     def restore_state(
         self, values: nnx.State, layout: Layout, step: int | None = None
     ) -> nnx.State:
-        """The saved state of `step`, for a state shaped like `values`, laid out by `layout`:
-        read as the plain stacks the checkpoint holds (each device its shards), then held in
-        the rounds `values` holds its layers in; mismatching arrays are named first."""
-        step = self._step(step)
+        """The saved state of `step`, for a state shaped like `values`, laid out by `layout`,
+        verified against the checksums saved with it: read as the plain stacks the checkpoint
+        holds (each device its shards), then held in the rounds `values` holds its layers in.
+        Raises CorruptCheckpointError for a step that does not hold what was saved, and
+        CheckpointMismatchError, naming the arrays, when `values` is shaped otherwise."""
+        record = self.record(step)
+        step = record.step
+        recorded = {p: (tuple(a[0]), a[1]) for p, a in (record.arrays or {}).items()}
+        try:
+            stored = self.saved_arrays(step)
+        except Exception as error:
+            raise CorruptCheckpointError(
+                f"the array metadata of step {step} (state/_METADATA) cannot be read "
+                f"({_error(error)}): the step is damaged or incomplete. " + FALL_BACK
+            ) from error
+        if stored != recorded:
+            raise CorruptCheckpointError(
+                f"the array metadata of step {step} (state/_METADATA) disagrees with the arrays "
+                f"its record lists ({len(set(stored) ^ set(recorded))} paths differ, "
+                f"{sum(stored[p] != recorded[p] for p in set(stored) & set(recorded))} shapes "
+                "or dtypes): the step is damaged. " + FALL_BACK
+            )
         shapes = shapes_of(values)
         rounds, plain = layer_rounds(shapes), group_layers(shapes, 1)
-        check_matches(self.saved_arrays(step), array_index(plain), f"checkpoint {step}")
+        check_matches(recorded, array_index(plain), f"checkpoint {step}")
         read = layout if rounds == 1 else resolve(plain, layout.rules, layout.mesh)
         target = restore_target(plain, read.shardings())
-        state = self.manager.restore(
-            step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target))
-        )["state"]
+        try:
+            state = self.manager.restore(
+                step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target))
+            )["state"]
+        except Exception as error:
+            raise CorruptCheckpointError(
+                f"the arrays of step {step} cannot be read ({_error(error)}): a file of its "
+                "state/ is damaged or missing. " + FALL_BACK
+            ) from error
+        sums = checksums(state)
+        wrong = sorted(path for path, saved in record.arrays.items() if sums[path] != saved[2])
+        if wrong:
+            raise CorruptCheckpointError(
+                f"{len(wrong)} arrays of step {step} do not hold what was saved (their "
+                f"checksums differ): {_listing(wrong)}. A file of the step is damaged: a "
+                "flipped bit, a truncated or replaced chunk. " + FALL_BACK
+            )
         return state if rounds == 1 else held_in(state, rounds, layout)
+
+    def _newest_verified(self, step: int | None, restore: Callable[[int], T]) -> T:
+        """`restore(step)`; without a step, `restore` of the newest step that verifies, warning
+        of the newer ones it passed over and why (`skipped`)."""
+        if step is not None:
+            return restore(self._step(step))
+        self.skipped = {}
+        for candidate in reversed(self.steps() or [self._step(None)]):
+            try:
+                restored = restore(candidate)
+            except CorruptCheckpointError as error:
+                self.skipped[candidate] = str(error)
+                continue
+            if self.skipped:
+                reasons = "; ".join(f"step {s}: {why}" for s, why in self.skipped.items())
+                warnings.warn(
+                    f"restored step {candidate} of {self.directory}, passing over steps "
+                    f"{list(self.skipped)}, which do not verify. {reasons}",
+                    SkippedCheckpointWarning,
+                    stacklevel=3,
+                )
+            return restored
+        raise CorruptCheckpointError(
+            f"no checkpoint in {self.directory} verifies: "
+            + "; ".join(f"step {s}: {why}" for s, why in self.skipped.items())
+        )
 
     def restore(
         self,
@@ -515,34 +708,51 @@ class Checkpoints:
     ) -> Trainer:
         """A trainer resumed from the checkpoint of `step`, laid out by `rules` on `mesh`.
 
-        `model` gives the model's structure: a module (concrete or abstract, only its shapes
-        are used) or a function that builds one from the configuration the checkpoint
-        recorded (`Transformer.from_config` for the book's). `tx` must have the structure of
-        the optimizer that saved it; the EMA decay comes from the record. The training
-        options are the saved run's (`Record.options`) unless `options` are given, with
-        `changes`; a `loss_fn` or `grads_fn` of the run's own must be given again (functions
-        are not recorded). With `data`, check that it is the data the run was trained on, so
-        training continues with the very next batch. Every device reads only its shards,
-        straight from the files.
+        Without `step`, the newest checkpoint that verifies: newer ones that are damaged, or
+        copied in from another run, are passed over with a SkippedCheckpointWarning naming
+        them and why (also in `skipped`). `model` gives the model's structure: a module
+        (concrete or abstract, only its shapes are used) or a function that builds one from
+        the configuration the checkpoint recorded (`Transformer.from_config` for the book's).
+        `tx` must have the structure of the optimizer that saved it; the EMA decay comes from
+        the record. The training options are the saved run's (`Record.options`) unless
+        `options` are given, with `changes`; a `loss_fn` or `grads_fn` of the run's own must
+        be given again (functions are not recorded). With `data`, check that it is the data
+        the run was trained on, so training continues with the very next batch. Every device
+        reads only its shards, straight from the files; the resumed trainer continues the
+        saved run (`Trainer.run`).
         """
-        record = self.record(step)
-        if data is not None:
-            check_data(record, data)
-        options = restored_options(record, options, changes)
-        graphdef, values = nnx.split(abstract(lambda: state_to_restore(record, model, tx)))
-        layout = resolve(values, rules, mesh)
-        state = self.restore_state(values, layout, record.step)
-        return Trainer.from_layout(graphdef, state, layout, options, config=record.config)
+
+        check_optimizer(tx)
+
+        def restore_step(at: int) -> Trainer:
+            record = self.record(at)
+            if data is not None:
+                check_data(record, data)
+            trained = restored_options(record, options, changes)
+            graphdef, values = nnx.split(abstract(lambda: state_to_restore(record, model, tx)))
+            layout = resolve(values, rules, mesh)
+            state = self.restore_state(values, layout, at)
+            return Trainer.from_layout(
+                graphdef, state, layout, trained, config=record.config, run=record.run
+            )
+
+        return self._newest_verified(step, restore_step)
 
     def restore_into(
         self, trainer: Trainer, step: int | None = None, data: Batches | None = None
     ) -> Trainer:
-        """Put the checkpoint of `step` into `trainer`'s state, in its layout; reuses its step."""
-        record = self.record(step)
-        if data is not None:
-            check_data(record, data)
-        trainer.state = self.restore_state(trainer.state, trainer.layout, record.step)
-        return trainer
+        """Put the checkpoint of `step` (default: the newest that verifies) into `trainer`'s
+        state, in its layout; reuses its step, and continues the saved run."""
+
+        def restore_step(at: int) -> Trainer:
+            record = self.record(at)
+            if data is not None:
+                check_data(record, data)
+            trainer.state = self.restore_state(trainer.state, trainer.layout, at)
+            trainer.run = record.run or trainer.run
+            return trainer
+
+        return self._newest_verified(step, restore_step)
 
     def files(self, step: int | None = None) -> list[tuple[str, int, str]]:
         """(path in the step directory, bytes, what it holds) of every file of a checkpoint."""
@@ -553,8 +763,17 @@ class Checkpoints:
         return [(path, size, file_role(path)) for path, size in sorted(found)]
 
     def close(self) -> None:
-        """Finish pending saves and release Orbax's threads."""
-        self.manager.close()
+        """Finish pending saves (a failed one raises SaveError), release Orbax's threads and
+        the directory, whatever happens."""
+        try:
+            self.wait()
+        finally:
+            try:
+                with contextlib.suppress(Exception):  # the error, if any, is wait's
+                    self.manager.close()
+            finally:
+                if self.lock is not None:
+                    self.lock.release()
 
     def __enter__(self) -> Checkpoints:
         return self

@@ -11,8 +11,8 @@ What a command reports, it prints as typed events (`nnxscale.events`), one JSON 
 `nnxscale.events.read` turns the output back into them:
 
 - train: `Start`, `Resumed` when DIR held a checkpoint, `Step` for every step, `Checksums`
-  (one-process runs only) as a save begins, `Saving` once it writes in the background, and
-  `Written` when every save is on disk.
+  (from every process, computed where the shards live) as a save begins, `Saving` once it
+  writes in the background, and `Written` when every save is on disk.
 - restore: `Restored`.
 - collective: `Hello`.
 """
@@ -84,8 +84,7 @@ def _train(args: argparse.Namespace) -> None:
             step = trainer.step_count()
             tell(events.Step, step=step - 1, loss=float(loss))  # JSON keeps every bit of a float
             if step % args.save_every == 0 or step == args.steps:
-                if jax.process_count() == 1:  # checksums need every shard in this process
-                    tell(events.Checksums, step=step, sums=checksums(trainer.state))
+                tell(events.Checksums, step=step, sums=checksums(trainer.state))
                 tell(events.Saving, step=step, blocked_seconds=checkpoints.save(trainer, batches))
                 if step == args.crash_during_save:  # a crash while the save is being written
                     os.kill(os.getpid(), signal.SIGKILL)

@@ -44,6 +44,15 @@ class Batches:
     """Windows of `length + 1` tokens (inputs and next-token targets), chosen per step and row."""
 
     def __init__(self, tokens: np.ndarray, batch_size: int, length: int, seed: int = 0) -> None:
+        for name, value in (("batch_size", batch_size), ("length", length)):
+            if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 1:
+                raise ValueError(f"{name}={value!r}: it must be a whole number, 1 or more.")
+        tokens = np.asarray(tokens)
+        if tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer):
+            raise ValueError(
+                f"tokens of shape {tokens.shape} and dtype {tokens.dtype}: pass the corpus as "
+                "one flat array of integer token ids (encode() gives one from text)."
+            )
         if len(tokens) < length + 2:
             raise ValueError(f"a corpus of {len(tokens)} tokens is too short for length {length}")
         self.tokens = tokens

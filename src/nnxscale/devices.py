@@ -23,8 +23,8 @@ def requested_devices(value: int | str | None = None) -> int | None:
     raw = os.environ.get(DEVICES_ENV, str(DEFAULT_DEVICES)) if value is None else value
     if isinstance(raw, str) and raw.strip().lower() == NATIVE:
         return None
-    try:
-        count = int(raw)
+    try:  # a whole number, as an int or a string; never a float, which int() would cut
+        count = int(raw) if isinstance(raw, str | int) and not isinstance(raw, bool) else 0
     except ValueError:
         count = 0
     if count < 1:

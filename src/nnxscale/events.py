@@ -124,8 +124,17 @@ class Hello(Event):
     sum: int
 
 
+@dataclasses.dataclass(frozen=True)
+class Leaving(Event):
+    """A worker of a distributed run reached the end of its program (`launch.initialize`
+    prints it at exit): the launcher names one that leaves while the others still run."""
+
+    kind: ClassVar[str] = "leaving"
+
+
 KINDS: dict[str, type[Event]] = {
-    cls.kind: cls for cls in (Start, Resumed, Step, Checksums, Saving, Written, Restored, Hello)
+    cls.kind: cls
+    for cls in (Start, Resumed, Step, Checksums, Saving, Written, Restored, Hello, Leaving)
 }
 """Every kind of event, by the name its JSON line carries."""
 

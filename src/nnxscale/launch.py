@@ -18,6 +18,8 @@ launcher never forks (a fork in a process running JAX would make JAX warn of dea
 from __future__ import annotations
 
 import argparse
+import atexit
+import contextlib
 import ctypes
 import dataclasses
 import os
@@ -30,6 +32,7 @@ import time
 from collections.abc import Callable, Sequence
 from functools import partial
 from pathlib import Path
+from types import TracebackType
 from typing import NoReturn
 
 COORDINATOR, PROCESSES, PROCESS_ID = (
@@ -38,6 +41,14 @@ COORDINATOR, PROCESSES, PROCESS_ID = (
     "NNXSCALE_PROCESS_ID",
 )
 
+
+GRACE = 2.0
+"""Seconds a distributed run may go on after one worker ended or left it, before the
+launcher names that worker: the others would wait for it in their next collective forever
+(the workers of a run that ends well leave within a fraction of a second of each other)."""
+
+PORT_TAKEN = ("Failed to add port", "Failed to start RPC server", "Address already in use")
+"""What the coordinator prints when its port was taken between choosing it and binding it."""
 
 PR_SET_PDEATHSIG = 1
 """prctl(2) option: the signal the kernel sends a process when the thread that started it exits."""
@@ -58,12 +69,25 @@ def initialize() -> tuple[int, int]:
     """In a worker: emulate its devices, then join the run; returns (process id, processes)."""
     import jax
 
+    from nnxscale import events
     from nnxscale.devices import emulate_devices
 
     emulate_devices()
     index, count = int(os.environ[PROCESS_ID]), int(os.environ[PROCESSES])
     jax.distributed.initialize(os.environ[COORDINATOR], num_processes=count, process_id=index)
+    sys.excepthook = _exit_at_once
+    # Runs before JAX's own exit handler, which waits for every other worker at a barrier.
+    atexit.register(lambda: events.emit(events.Leaving(process=index)))
     return index, count
+
+
+def _exit_at_once(kind: type[BaseException], error: BaseException, trace: TracebackType) -> None:
+    """A worker's uncaught exception: print it and exit with status 1 at once, rather than
+    wait at JAX's exit barrier for workers that will never get there."""
+    sys.__excepthook__(kind, error, trace)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(1)
 
 
 def exec_dying_with(launcher: int, command: Sequence[str]) -> NoReturn:
@@ -103,6 +127,8 @@ class Run:
     stop_requested: threading.Event = dataclasses.field(default_factory=threading.Event)
     """Set (from a signal handler, say) to stop the run: `wait` stops every worker and raises.
     A flag and not an exception, which could land inside `subprocess`'s own locking."""
+    left: dict[int, float] = dataclasses.field(default_factory=dict)
+    """Worker -> when (`time.monotonic()`) it reported leaving the run (`events.Leaving`)."""
     _readers: list[threading.Thread] = dataclasses.field(default_factory=list)
     _lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
 
@@ -111,32 +137,40 @@ class Run:
         """Each worker's exit status (negative: killed by that signal), None while it runs."""
         return [w.poll() for w in self.workers]
 
+    def port_taken(self) -> bool:
+        """Whether the run failed because its coordinator's port was taken."""
+        return any(marker in line for line in self.output for marker in PORT_TAKEN)
+
     @property
     def text(self) -> str:
         """The output as one string."""
         return "\n".join(self.output)
 
-    def wait(self, timeout: float, *, check: bool = True) -> list[str]:
-        """Wait for every worker and return the output. On the first worker that fails (with
-        `check`) or at the timeout, kill the rest and raise LaunchError with the last lines."""
+    def wait(self, timeout: float, *, check: bool = True, grace: float = GRACE) -> list[str]:
+        """Wait for every worker and return the output. With `check`, the first worker that
+        fails (non-zero exit, killed), or that ends or leaves the run while others go on
+        running for `grace` seconds (they would wait for it forever), stops the run; so does
+        the timeout. Then every worker is killed and LaunchError names it, with the last lines.
+        """
+        if not timeout > 0:
+            raise ValueError(f"timeout={timeout!r}: give the run a number of seconds above 0")
         deadline = time.monotonic() + timeout
+        ended: dict[int, float] = {}
         failure = None
         try:
-            while True:
+            while failure is None:
                 codes = self.returncodes  # poll every worker, every time
-                failed = [i for i, code in enumerate(codes) if check and code not in (None, 0)]
-                if failed:
-                    i = failed[0]
-                    failure = f"process {i} (pid {self.workers[i].pid}) {how_it_ended(codes[i])}"
+                now = time.monotonic()
+                for i, code in enumerate(codes):
+                    if code is not None:
+                        ended.setdefault(i, now)
+                if all(code is not None for code in codes) and not (check and any(codes)):
                     break
-                if all(code is not None for code in codes):
-                    break
-                if time.monotonic() > deadline:
+                failure = self._failure(codes, ended, now, grace) if check else None
+                if failure is None and now > deadline:
                     failure = f"the run exceeded its timeout of {timeout:g} s"
-                    break
-                if self.stop_requested.wait(0.05):
+                if failure is None and self.stop_requested.wait(0.05):
                     failure = "the run was asked to stop"
-                    break
         finally:
             self.stop()
         if failure:
@@ -146,11 +180,31 @@ class Run:
             )
         return self.output
 
+    def _failure(
+        self, codes: list[int | None], ended: dict[int, float], now: float, grace: float
+    ) -> str | None:
+        """What went wrong, if anything: a worker that failed, or one that ended or left the
+        run more than `grace` seconds before some other worker did."""
+        for i, code in enumerate(codes):
+            if code not in (None, 0):
+                return f"process {i} (pid {self.workers[i].pid}) {how_it_ended(code)}"
+        running = [i for i, code in enumerate(codes) if code is None]
+        for i, since in sorted({**self.left, **ended}.items(), key=lambda item: item[1]):
+            stuck = [j for j in running if j != i and j not in self.left]
+            if stuck and now - since > grace:
+                how = "exited with status 0" if i in ended else "left the run (its program ended)"
+                return (
+                    f"process {i} (pid {self.workers[i].pid}) {how} {now - since:.1f} s before "
+                    f"process(es) {stuck} did, which would wait for it in the run forever"
+                )
+        return None
+
     def stop(self) -> None:
-        """Kill every worker still running, reap them all and finish reading their output."""
+        """Kill every worker and every process it started (its process group), reap them all
+        and finish reading their output."""
         for worker in self.workers:
-            if worker.poll() is None:
-                worker.kill()
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(worker.pid, signal.SIGKILL)  # the group outlives its first process
         for worker in self.workers:
             worker.wait()
         for reader in self._readers:
@@ -181,16 +235,20 @@ def start(
     env: dict[str, str] | None = None,
     stop: threading.Event | None = None,
     cwd: str | Path | None = None,
+    port: int | None = None,
 ) -> Run:
     """Start `processes` copies of `command` in `cwd`, each with `devices` emulated devices
-    (None: as the environment says); several form one distributed run.
+    (None: as the environment says); several form one distributed run, its coordinator on
+    `port` (default: a free one).
 
     Call `wait` on the result from the same thread: on Linux a worker is killed when the
     thread that started it ends. Setting `stop` makes `wait` stop the run.
     """
     if processes < 1 or (devices is not None and devices < 1):
         raise ValueError(f"need at least 1 process and 1 device each, got {processes}, {devices}")
-    coordinator = f"localhost:{free_port()}" if processes > 1 else ""
+    if port is not None and processes > 1:
+        check_port(port)
+    coordinator = f"localhost:{port or free_port()}" if processes > 1 else ""
     run = Run([]) if stop is None else Run([], stop_requested=stop)
     for index in range(processes):
         worker_env = _environment(env, processes, index, devices, coordinator)
@@ -201,14 +259,19 @@ def start(
             text=True,
             env=worker_env,
             cwd=cwd,
+            start_new_session=True,  # its own process group: teardown kills what it starts
         )
         run.workers.append(worker)
 
         prefix = f"[process {index}] " if processes > 1 else ""
 
-        def read(stream=worker.stdout, prefix=prefix) -> None:
+        def read(stream=worker.stdout, prefix=prefix, index=index) -> None:
+            from nnxscale import events  # here: the worker's wrapper imports only the stdlib
+
             with stream:
                 for line in stream:
+                    if isinstance(events.parse(line), events.Leaving):
+                        run.left.setdefault(index, time.monotonic())
                     line = prefix + line.rstrip("\n")
                     with run._lock:
                         run.output.append(line)
@@ -230,9 +293,32 @@ def launch(
     echo: Callable[[str], None] | None = print,
     env: dict[str, str] | None = None,
     stop: threading.Event | None = None,
+    port: int | None = None,
 ) -> list[str]:
-    """Run `command` as `processes` workers of one distributed run; their prefixed output."""
-    return start(command, processes, devices, echo=echo, env=env, stop=stop).wait(timeout)
+    """Run `command` as `processes` workers of one distributed run; their prefixed output.
+    Without a `port`, a coordinator that finds its port taken (another program bound it
+    after the launcher chose it) is started again on another, up to three times."""
+    for attempt in range(3):
+        run = start(command, processes, devices, echo=echo, env=env, stop=stop, port=port)
+        try:
+            return run.wait(timeout)
+        except LaunchError:
+            if port is not None or attempt == 2 or not run.port_taken():
+                raise
+    raise AssertionError("unreachable")
+
+
+def check_port(port: int) -> None:
+    """Raise LaunchError unless the coordinator can listen on `port` here."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        try:
+            probe.bind(("localhost", port))
+        except OSError as error:
+            raise LaunchError(
+                f"the coordinator cannot listen on port {port} ({error.strerror}): another "
+                "program uses it. Pass another port, or none to let the launcher choose a "
+                "free one."
+            ) from None
 
 
 def run(

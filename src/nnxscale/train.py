@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import math
 import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -27,6 +28,7 @@ from jax.sharding import PartitionSpec as P
 
 from nnxscale.data import check_batch_splits
 from nnxscale.init import compile_init
+from nnxscale.integrity import new_run
 from nnxscale.layout import Layout, activation_rules, resolve
 from nnxscale.losses import GradsFn, LossFn, next_token_loss
 from nnxscale.model import TINY, Config, create
@@ -100,6 +102,20 @@ def check_model(model: object) -> None:
         )
 
 
+def check_optimizer(tx: optax.GradientTransformation) -> None:
+    """Raise a clear error when `tx`'s first update of a weight with gradient 1 is not finite,
+    or not a descent (a NaN, infinite or negative learning rate): checked once, on one number,
+    before a step could write such an update into every weight."""
+    weight, grad = {"w": jnp.zeros((), jnp.float32)}, {"w": jnp.ones((), jnp.float32)}
+    update = float(tx.update(grad, tx.init(weight), weight)[0]["w"])
+    if not math.isfinite(update) or update > 0:
+        raise ValueError(
+            f"the optimizer's first update of a weight whose gradient is 1 is {update}: "
+            "with a finite learning rate of 0 or more it would be a finite step down. Check "
+            "the learning rate (and schedule) the optimizer was built with."
+        )
+
+
 FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_cpu_use_fusion_emitters": False}
 """Compiler options for steps compiled to be read more than run: the backend's (LLVM's)
 optimisations off, and on a CPU its older fusion emitters instead of the MLIR ones, which
@@ -115,6 +131,12 @@ def adamw(
     learning_rate: float = LEARNING_RATE, weight_decay: float = 1e-4
 ) -> optax.GradientTransformation:
     """The optimizer the chapters train with: AdamW with a small weight decay."""
+    for name, value in (("learning_rate", learning_rate), ("weight_decay", weight_decay)):
+        if not (isinstance(value, int | float) and math.isfinite(value) and value >= 0):
+            raise ValueError(
+                f"{name}={value!r}: it scales every update, so it must be a finite number, 0 "
+                "or more (a NaN or infinite one would make every weight NaN)."
+            )
     return optax.adamw(learning_rate, weight_decay=weight_decay)
 
 
@@ -197,15 +219,38 @@ def train_step(
     dropout: bool = True,
     grads_fn: GradsFn = loss_and_grads,
 ) -> tuple[nnx.State, jax.Array]:
-    """One optimizer step and EMA update on `batch`; returns the new state and the loss."""
+    """One optimizer step and EMA update on `batch`; returns the new state and the loss.
+
+    When the loss or any gradient is not finite, the update is not applied: the weights,
+    optimizer moments and EMA stay as they were, the step counter and the dropout stream move
+    on (the batch is consumed), and the loss returned is NaN, so one bad batch cannot turn the
+    weights into NaN for good. The test is elementwise on arrays the step computes anyway,
+    and the choice a select fused into the update, so the step holds no second copy of the
+    state.
+    """
     ts = nnx.merge(graphdef, state)
     key = ts.rngs.dropout() if dropout else None
     loss, grads = grads_fn(ts.model, batch, key, micro_batches)
-    ts.optimizer.update(ts.model, grads)
-    decay = ts.ema_decay
-    for path, param in params_by_path(ts.model).items():
-        ts.ema[path][...] = decay * ts.ema[path][...] + (1 - decay) * param[...]
-    return nnx.state(ts), loss
+    counter = ts.optimizer.step[...]
+
+    def update(values: nnx.State) -> nnx.State:
+        ts = nnx.merge(graphdef, values)
+        ts.optimizer.update(ts.model, grads)
+        decay = ts.ema_decay
+        for path, param in params_by_path(ts.model).items():
+            ts.ema[path][...] = decay * ts.ema[path][...] + (1 - decay) * param[...]
+        return nnx.state(ts)
+
+    finite = all_finite(loss, grads)
+    ts = nnx.merge(graphdef, jax.lax.cond(finite, update, lambda values: values, nnx.state(ts)))
+    ts.optimizer.step[...] = counter + 1
+    return nnx.state(ts), jnp.where(finite, loss, jnp.nan)
+
+
+def all_finite(loss: jax.Array, grads: Any) -> jax.Array:
+    """Whether the loss and every gradient are finite (no NaN, no infinity): one boolean."""
+    checks = [jnp.isfinite(loss)] + [jnp.isfinite(g).all() for g in jax.tree.leaves(grads)]
+    return jnp.stack(checks).all()
 
 
 def eval_loss(
@@ -227,6 +272,18 @@ def model_config(model: nnx.Module) -> dict[str, Any] | None:
     return dataclasses.asdict(cfg) if dataclasses.is_dataclass(cfg) else None
 
 
+NONFINITE = ("skip", "raise")
+"""The policies for a step whose loss or a gradient is not finite (`TrainOptions.nonfinite`)."""
+
+
+class StateLostError(RuntimeError):
+    """The train state was consumed by a step that failed while running."""
+
+
+class NonFiniteError(FloatingPointError):
+    """A step's loss or gradients were not finite, under `nonfinite="raise"`."""
+
+
 @dataclasses.dataclass(frozen=True)
 class TrainOptions:
     """How a trainer trains, listed once: `Trainer.create`, `Trainer.from_layout` and
@@ -246,8 +303,16 @@ class TrainOptions:
     ema_decay: float = 0.9
     compiler_options: Mapping[str, Any] | None = None
     activations: bool = True
+    nonfinite: str = "skip"
+    """What `Trainer.train` does after a step whose loss or a gradient was not finite (the
+    step never applies such an update): "skip" lists it in `Trainer.skipped` and goes on,
+    "raise" raises NonFiniteError."""
 
     def __post_init__(self) -> None:
+        if self.nonfinite not in NONFINITE:
+            raise ValueError(
+                f"nonfinite={self.nonfinite!r}: choose {' or '.join(map(repr, NONFINITE))}."
+            )
         if self.loss_fn is not None and self.grads_fn is not None:
             raise ValueError(
                 "pass loss_fn or grads_fn, not both: grads_fn computes the loss itself (wrap "
@@ -276,7 +341,7 @@ class TrainOptions:
         """What a checkpoint keeps of these options: the values, and the functions' names."""
         record = {
             name: getattr(self, name)
-            for name in ("micro_batches", "dropout", "activations", "compiler_options")
+            for name in ("micro_batches", "dropout", "activations", "compiler_options", "nonfinite")
         }
         record["compiler_options"] = dict(self.compiler_options or {}) or None
         for name in ("loss_fn", "grads_fn"):
@@ -312,6 +377,11 @@ class Trainer:
         default_factory=dict, repr=False
     )
     """The step's programs, one per kind of batch (`batch_kind`)."""
+    run: str = dataclasses.field(default_factory=new_run)
+    """The run this state belongs to: new for a created trainer, the saved run's for a
+    restored one. A checkpoint directory holds the steps of one run."""
+    skipped: list[int] = dataclasses.field(default_factory=list)
+    """Steps whose update was skipped because their loss or a gradient was not finite."""
 
     @classmethod
     def create(
@@ -333,6 +403,7 @@ class Trainer:
         `config` is recorded in checkpoints (default: `model.cfg`).
         """
         options = (options or TrainOptions()).replace(**changes)
+        check_optimizer(tx)
         if not callable(model):
             check_model(model)
         if isinstance(model, nnx.Module):
@@ -363,9 +434,11 @@ class Trainer:
         options: TrainOptions | None = None,
         *,
         config: dict[str, Any] | None = None,
+        run: str | None = None,
     ) -> Trainer:
         """A trainer for a split train state already resolved into `layout` (placed there if
-        it is not), with its step and evaluations jitted on the layout's shardings."""
+        it is not), with its step and evaluations jitted on the layout's shardings; it
+        continues `run` (default: a new run)."""
         options = options or TrainOptions()
         _check_config(config)
         shardings, batch = layout.shardings(), layout.batch_sharding
@@ -397,7 +470,8 @@ class Trainer:
             for ema in (False, True)
         ]
         placed = place(values, shardings)
-        return cls(graphdef, placed, layout, options, step, *evaluate, config=config)
+        run = run or new_run()
+        return cls(graphdef, placed, layout, options, step, *evaluate, config=config, run=run)
 
     @property
     def batch_sharding(self) -> NamedSharding:
@@ -411,18 +485,56 @@ class Trainer:
 
     def train(self, batches: Callable[[int, NamedSharding], Any], steps: int) -> list[float]:
         """Run `steps` steps on the batches of `batches` from the current step; the losses."""
+        self.check_state()
         first = int(self.step_count())
         losses = []
         for step in range(first, first + steps):
             batch = self.batch(batches, step)
-            self.state, loss = self.compile(batch)(self.state, batch)
-            losses.append(float(loss))
+            compiled = self.compile(batch)
+            try:
+                self.state, loss = compiled(self.state, batch)
+                losses.append(float(loss))
+            except Exception as error:
+                self.check_state(f"step {step} failed while running ({type(error).__name__})")
+                raise
+            if not math.isfinite(losses[-1]):
+                self.nonfinite(step)
         return losses
 
+    def check_state(self, failure: str = "a step failed while running") -> None:
+        """Raise StateLostError if the train state's arrays are gone: a step that fails while
+        running has already been given them (donated), and nothing can bring them back."""
+        if any(x.is_deleted() for x in jax.tree.leaves(self.state) if hasattr(x, "is_deleted")):
+            raise StateLostError(
+                f"{failure}, after the train state had been handed to it (donated, so that the "
+                "step updates it in place): the state's arrays are gone. Restore the newest "
+                "checkpoint into this trainer (Checkpoints(directory).restore_into(trainer)) "
+                "and train on; the batches are validated before a step starts, so what fails "
+                "here is the program itself (a callback, memory)."
+            )
+
+    def nonfinite(self, step: int) -> None:
+        """After step `step` skipped its update (its loss or a gradient was not finite): note
+        it in `skipped`, or raise NonFiniteError, as the options' `nonfinite` says."""
+        self.skipped.append(step)
+        if self.options.nonfinite == "raise":
+            raise NonFiniteError(
+                f"step {step}: the loss or a gradient was not finite (NaN or infinite), so the "
+                "step did not change the weights, optimizer moments or EMA; only its counter "
+                "moved past the batch. Look for NaN, infinite or huge values in that batch, "
+                "token ids outside the vocabulary, or a learning rate that is not finite; "
+                'TrainOptions(nonfinite="skip") skips such steps and goes on.'
+            )
+
     def place_batch(self, batch: Any) -> Any:
-        """`batch` with every array on `batch_sharding` (arrays already there stay)."""
+        """`batch` with every array on `batch_sharding` (arrays already there stay), checked
+        first: a bad batch is refused before a step could consume the state."""
         check_batch(batch, self.batch_sharding, self.options.micro_batches)
-        return place(batch, jax.tree.map(lambda _: self.batch_sharding, batch))
+        placed = place(batch, jax.tree.map(lambda _: self.batch_sharding, batch))
+        vocab = (self.config or {}).get("vocab") if isinstance(self.config, dict) else None
+        if isinstance(vocab, int):
+            check_tokens(placed, vocab)
+        return placed
 
     def time_steps(
         self, batches: Callable[[int, NamedSharding], Any], steps: int, first: int
@@ -448,6 +560,8 @@ class Trainer:
         kind = batch_kind(batch)
         if kind not in self.programs:
             check_batch(batch, self.batch_sharding, self.options.micro_batches)
+            if self.programs:
+                check_same_kind(next(iter(self.programs)), kind)
             rules = self.layout.rules if self.options.activations else None
             with jax.set_mesh(self.layout.mesh), activation_rules(rules, self.layout.mesh):
                 lowered = self.step.lower(self.state, batch)
@@ -591,3 +705,45 @@ def check_batch(batch: Any, sharding: NamedSharding, micro_batches: int = 1) -> 
             f"the batch's arrays have different numbers of rows {sorted(rows)}: every array "
             "needs the same first dimension, one row per example."
         )
+
+
+def check_same_kind(first: tuple[object, ...], kind: tuple[object, ...]) -> None:
+    """Raise a clear error when a batch's arrays, or their dtypes, differ from the first
+    batch's (another shape is another program; another structure or dtype is a bug)."""
+    was = {path: dtype for path, _, dtype, _ in first}
+    now = {path: dtype for path, _, dtype, _ in kind}
+    if set(was) != set(now):
+        raise ValueError(
+            f"this batch holds the arrays {sorted(now)}, the first batch {sorted(was)}: "
+            "give every step a batch of the same structure."
+        )
+    changed = sorted(f"{path or 'the batch'} ({was[path]} -> {now[path]})" for path in was
+                     if was[path] != now[path])  # fmt: skip
+    if changed:
+        raise ValueError(
+            f"the batch changed dtype since the first step: {', '.join(changed)}. Convert it "
+            "to the first batch's dtypes (integer token ids stay int32)."
+        )
+
+
+@jax.jit
+def _bounds(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    return x.min(), x.max()
+
+
+def check_tokens(batch: Any, vocab: int) -> None:
+    """Raise a clear error unless every array of `batch` holds integer token ids in
+    [0, vocab): an id outside would read no embedding row, and poison the step."""
+    for path, x in flat(batch):
+        where = f"batch array {path!r}" if path else "the batch"
+        if not jnp.issubdtype(x.dtype, jnp.integer):
+            raise ValueError(
+                f"{where} has dtype {x.dtype}: the model reads integer token ids (int32)."
+            )
+        low, high = (int(v) for v in jax.device_get(_bounds(x)))
+        if low < 0 or high >= vocab:
+            raise ValueError(
+                f"{where} holds token ids from {low} to {high}, outside the vocabulary of "
+                f"{vocab} (ids 0 to {vocab - 1}): encode the data with the model's tokenizer, "
+                "or build the model with a larger vocab."
+            )
