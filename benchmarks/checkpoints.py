@@ -5,6 +5,11 @@ Each model trains 2 steps under FSDP (so AdamW's moments are not zeros, which co
 nothing), then is saved `repeats` times, one step apart, and restored `repeats` times: onto
 the same layout, under TP on a 2-D mesh, and in another process on half the devices. Times
 are medians. Sizes are exact: the state's bytes, the compressed chunks, the step directory.
+
+Every save computes each array's checksum (`nnxscale.integrity`) before it hands back to
+training, and every restore verifies them: `checksums s` is that computation alone on the
+same state (its program compiled by the save), and the overheads are its share of a save
+(blocked + written) and of an FSDP restore, each without it.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ import jax
 from jax.sharding import Mesh
 
 from nnxscale import cli
-from nnxscale.checkpoint import Checkpoints
+from nnxscale.checkpoint import Checkpoints, checksums
 from nnxscale.data import book_batches
 from nnxscale.devices import emulate_devices
 from nnxscale.model import BENCH, TINY, Config, Transformer, create
@@ -64,6 +69,8 @@ def measure(name: str, cfg: Config, repeats: int, workdir: Path) -> dict[str, ob
 
         same = median_seconds(restore(FSDP, strategy_mesh(FSDP)), repeats)
         tp = median_seconds(restore(TP, strategy_mesh(TP)), repeats)
+    summing = median_seconds(lambda: checksums(trainer.state), repeats)
+    saving = statistics.median(blocked) + statistics.median(written)
     report = workdir / f"{name}.json"
     start = time.perf_counter()
     cli.run("restore", str(directory), "--rules", "FSDP", "--report", str(report),
@@ -79,7 +86,10 @@ def measure(name: str, cfg: Config, repeats: int, workdir: Path) -> dict[str, ob
         "files": len(files),
         "save blocks s": statistics.median(blocked),
         "then writes s": statistics.median(written),
+        "checksums s": summing,
+        "save overhead %": 100 * summing / (saving - summing),
         "restore FSDP s": same,
+        "restore overhead %": 100 * summing / (same - summing),
         "restore TP 2-D s": tp,
         f"restore on {max(1, n // 2)} dev. s": json.loads(report.read_text())["seconds"],
         "(process wall s)": other_wall,

@@ -28,6 +28,7 @@ from nnxscale import (
     fsdp,
     hlo,
     init,
+    integrity,
     launch,
     layout,
     losses,
@@ -125,7 +126,7 @@ __all__ = [
 
 MODULES = (
     activations, calculator, checkpoint, cli, comm, context, costs, data, devices, environment,
-    events, figures, formula, fsdp, hlo, init, launch, layout, losses, machine, memory, mesh, model,
-    moe, params, pipeline, planner, program, rules, schedules, show, train, trees,
+    events, figures, formula, fsdp, hlo, init, integrity, launch, layout, losses, machine, memory,
+    mesh, model, moe, params, pipeline, planner, program, rules, schedules, show, train, trees,
 )  # fmt: skip
 """The modules, each reached as `nx.<module>`: the rest of the library, spelled with its home."""

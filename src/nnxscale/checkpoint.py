@@ -15,6 +15,13 @@ TP on a 4x2 mesh, or on 4 devices in another process, and no device holds a whol
 Stacked layers that a pipeline holds in rounds (`nnxscale.model.group_layers`) are saved as
 one plain stack, in the model's order, and restored by reading the plain stack's shards and
 moving the layers between devices once, so any schedule, or none, restores any checkpoint.
+
+Nothing is lost and nothing restores wrong (`nnxscale.integrity`): each step's record holds a
+checksum of every array, computed where its shards live, names the run, and is sealed; a
+restore verifies them all and refuses a damaged or foreign step with the reason, and without a
+step falls back to the newest one that verifies. A save either starts or raises (a step Orbax
+would drop, another run's directory), a failed background save raises from `wait` and
+`close`, and one writer holds a directory at a time.
 """
 
 from __future__ import annotations
@@ -138,6 +145,8 @@ class Record:
             ["mesh", f"{self.mesh}: {self.devices} devices in {self.processes} process(es)"],
             ["data", ", ".join(f"{k} {str(v)[:12]}" for k, v in data.items()) or "not recorded"],
             ["training", _said(self.options) if self.options else "not recorded"],
+            ["run", self.run or "not recorded"],
+            ["checksums", f"{len(self.arrays)} arrays" if self.arrays else "not recorded"],
             ["saved at", time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(self.saved_at))],
             ["written by", ", ".join(f"{k} {v}" for k, v in self.versions.items())],
         ]

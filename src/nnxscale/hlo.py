@@ -207,6 +207,11 @@ def arrays_moved(found: Iterable[Collective]) -> Counter[tuple[int, ...]]:
     return Counter(a for c in found for a in c.arrays * c.executions)
 
 
+def _flags(collective: Collective) -> bool:
+    """Whether `collective` moves booleans alone."""
+    return set(collective.dtypes) == {"pred"}
+
+
 class CollectiveReport:
     """The collectives of one compiled program: counts and bytes per kind."""
 
@@ -243,6 +248,17 @@ class CollectiveReport:
             key = (c.kind, c.mesh_axes(mesh))
             groups[key] = groups.get(key, 0) + c.executions * c.array_bytes
         return groups
+
+    def flags(self) -> CollectiveReport:
+        """The collectives that move booleans (`pred`) alone: the training step's guard, in
+        which the devices agree whether every gradient is finite (a flag for each gradient
+        array split over them; `nnxscale.train.train_step`)."""
+        return CollectiveReport([c for c in self.collectives if _flags(c)], self.num_partitions)
+
+    def without_flags(self) -> CollectiveReport:
+        """The collectives that move the model's numbers: all but `flags`."""
+        kept = [c for c in self.collectives if not _flags(c)]
+        return CollectiveReport(kept, self.num_partitions)
 
     def summary(self) -> dict[str, tuple[int, float]]:
         """(executions, bytes sent per device) for each kind that occurs."""
