@@ -58,7 +58,7 @@ def test_fast_compile_changes_only_a_few_hundred_bytes_of_temporaries(name: str)
         programs.append(run.compile(run.batch(BATCHES)))
     slow, fast = (CompiledMemory.of(p) for p in programs)
     assert (slow.argument, slow.output, slow.alias) == (fast.argument, fast.output, fast.alias)
-    assert 0 <= fast.temp - slow.temp <= 1024
+    assert abs(fast.temp - slow.temp) <= 1024
     assert collectives(programs[0]).summary() == collectives(programs[1]).summary()
     assert dot_flops(programs[0]) == dot_flops(programs[1])
 
@@ -149,7 +149,7 @@ def test_dp_and_zero_bytes_against_the_compiled_steps() -> None:
     full = costs.counts(TINY).total * costs.STATE_BYTES
     for name in ("DP", "ZeRO-2"):
         run = trainer(name, 4)
-        report = collectives(run.compile(run.batch(BATCHES)))
+        report = collectives(run.compile(run.batch(BATCHES))).without_flags()
         derived = costs.step_cost(PLAIN, setup_of(run), H100, 8, 32).collectives
         if name == "DP":
             (reduce,) = derived
@@ -190,7 +190,8 @@ def test_zero1_compiles_to_zero2s_program() -> None:
         for name in ("DP", "ZeRO-1", "ZeRO-2"):
             run = trainer(name, 4, micro_batches=micro)
             program = run.compile(run.batch(BATCHES))
-            found[name, micro] = (CompiledMemory.of(program), collectives(program).summary())
+            moved = collectives(program).without_flags().summary()  # finite flags aside
+            found[name, micro] = (CompiledMemory.of(program), moved)
             # the loop over the micro-batches: its trip count is theirs
             carried = [
                 line
@@ -417,7 +418,7 @@ def test_activations_split_along_the_sequence() -> None:
 
 def test_hsdp_sends_only_a_shard_across_replicas() -> None:
     run = trainer("HSDP", 8)
-    report = collectives(run.compile(run.batch(BATCHES)))
+    report = collectives(run.compile(run.batch(BATCHES))).without_flags()
     groups = report.by_axes(run.layout.mesh)
     across = groups[("all-reduce", ("replica",))]
     inside = groups[("all-reduce", ("data",))]

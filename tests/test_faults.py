@@ -561,3 +561,21 @@ def test_checksums_are_the_same_on_every_layout_and_see_every_bit() -> None:
     swapped[[0, 1]] = swapped[[1, 0]]
     sums = {checksums({"e": jnp.asarray(a)})["e"] for a in (embed, words.view(np.float32), swapped)}
     assert len(sums) == 3
+
+
+def test_the_finite_check_agrees_on_one_flag_per_split_gradient() -> None:
+    """The step's guard adds to the collectives only booleans: none when every gradient is
+    whole on every device (DP), at most one flag per split gradient array (FSDP); what moves
+    numbers is the same as without it."""
+    flags = {}
+    for rules in (DP, nx.FSDP):
+        trainer = trainer_for(rules, 8)
+        report = nx.collectives(trainer.compile(trainer.batch(BATCHES)))
+        flags[rules.name] = report.flags()
+        assert all(set(c.dtypes) == {"pred"} for c in report.flags().collectives)
+        kept = report.without_flags().collectives
+        assert len(kept) + len(report.flags().collectives) == len(report.collectives)
+        assert not any("pred" in c.dtypes for c in kept)
+    split = [p for p in trainer.layout.placements if p.pieces > 1 and p.path.startswith("model/")]
+    assert flags["DP"].count() == 0
+    assert 0 < flags["FSDP"].array_bytes() <= len(split)

@@ -120,8 +120,8 @@ FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_cpu_use_fusion_emitter
 """Compiler options for steps compiled to be read more than run: the backend's (LLVM's)
 optimisations off, and on a CPU its older fusion emitters instead of the MLIR ones, which
 together cut the compile time by about two thirds. The program's HLO, collectives and
-products are as they are; its temporaries grow by a few hundred bytes (at most 1 KiB, a
-test compares both ways). Other backends ignore the CPU's option."""
+products are as they are; its temporaries differ by a few hundred bytes (at most 1 KiB
+either way, a test compares both ways). Other backends ignore the CPU's option."""
 
 LEARNING_RATE = 3e-3
 """The chapters' learning rate: one AdamW step moves a weight by about this much."""
