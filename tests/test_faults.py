@@ -305,7 +305,7 @@ checkpoints.save(trainer, data)
 try:
     checkpoints.close()
 except nx.checkpoint.SaveError as error:
-    print("SaveError:", error, flush=True)
+    print(f"SaveError: {error}", flush=True)
 """
 
 
@@ -369,7 +369,7 @@ def test_a_non_finite_step_raises_when_asked_and_keeps_the_state() -> None:
         config={},
     )
     before = checksums(trainer.state["model"])
-    with pytest.raises(NonFiniteError, match="step 0: the loss or a gradient was not finite"):
+    with pytest.raises(NonFiniteError, match=r"step 0: the loss, a gradient or the optimizer"):
         trainer.train(batch_with(np.nan), 1)
     assert checksums(trainer.state["model"]) == before
 
@@ -446,10 +446,10 @@ for attempt in range(2):
     try:
         trainer.train(data, 1)
     except nx.train.StateLostError as error:
-        print("StateLostError:", error, flush=True)
+        print(f"StateLostError: {error}", flush=True)
 failing["now"] = False
 checkpoints.restore_into(trainer)
-print("losses", trainer.train(data, 1), trainer.step_count(), flush=True)
+print(f"losses {trainer.train(data, 1)} {trainer.step_count()}", flush=True)
 """
 
 
@@ -579,3 +579,110 @@ def test_the_finite_check_agrees_on_one_flag_per_split_gradient() -> None:
     split = [p for p in trainer.layout.placements if p.pieces > 1 and p.path.startswith("model/")]
     assert flags["DP"].count() == 0
     assert 0 < flags["FSDP"].array_bytes() <= len(split)
+
+
+CLOSING = """
+import sys
+import nnxscale as nx
+nx.emulate_devices(2)
+trainer = nx.trainer_for(nx.DP, 2)
+data = nx.book_batches(8)
+checkpoints = nx.Checkpoints(sys.argv[1])
+trainer.train(data, 1)
+checkpoints.save(trainer, data)
+if sys.argv[2] == "closed":
+    checkpoints.close()
+    trainer.train(data, 1)
+    try:
+        checkpoints.save(trainer, data)
+    except nx.checkpoint.SaveError as error:
+        print(f"SaveError: {error}", flush=True)
+"""
+
+
+@pytest.mark.parametrize("ending", ["open", "closed"])
+def test_a_save_in_flight_at_exit_is_finished_and_a_closed_directory_refuses_saves(
+    tmp_path, ending
+) -> None:
+    script = tmp_path / "end.py"
+    script.write_text(CLOSING)
+    done = launch.run([sys.executable, str(script), str(tmp_path / "run"), ending], timeout=120)
+    assert done.returncodes == [0]
+    assert Checkpoints(tmp_path / "run", create=False).steps() == [1]  # the save was finished
+    refused = [line for line in done.output if line.startswith("SaveError:")]
+    assert len(refused) == (ending == "closed")
+    assert all("was closed: open it with Checkpoints(directory)" in line for line in refused)
+
+
+def test_a_renamed_step_and_a_damaged_run_file_are_named(saved, copy) -> None:
+    (copy / "3").rename(copy / "5")
+    with pytest.raises(CorruptCheckpointError, match="holds the checkpoint of step 3: it was"):
+        restore(copy, step=5)
+    (copy / "nnxscale-run.json").write_text('{"run": null}')
+    with pytest.raises(CorruptCheckpointError, match=r"nnxscale-run\.json is damaged"):
+        restore(copy, step=2)
+
+
+def test_a_run_file_deleted_still_refuses_another_run(saved, copy) -> None:
+    (copy / "nnxscale-run.json").unlink()
+    fresh = Trainer.create(create(TINY), adamw(), DP, MESH, seed=5)
+    fresh.train(BATCHES, 4)
+    with Checkpoints(copy) as checkpoints, pytest.raises(SaveError, match="of another run"):
+        checkpoints.save(fresh, BATCHES)
+
+
+@pytest.mark.parametrize(
+    ("call", "error", "match"),
+    [
+        (lambda c: c.restore(TINY, adamw(), DP, MESH), TypeError, "Transformer.from_config"),
+        (lambda c: c.restore(Transformer.from_config, None, DP, MESH), TypeError, "optax"),
+        (lambda c: c.restore(Transformer.from_config, adamw(), None, MESH), TypeError, "rule"),
+        (lambda c: c.restore(Transformer.from_config, adamw(), DP, None), TypeError, "Mesh"),
+        (lambda c: c.record(2.0), TypeError, "whole number"),
+    ],
+)
+def test_a_restore_given_the_wrong_kind_of_argument_says_so(saved, call, error, match) -> None:
+    with pytest.raises(error, match=match):
+        call(Checkpoints(saved["dir"], create=False))
+
+
+def test_other_bad_arguments_are_named(tmp_path) -> None:
+    (tmp_path / "file").write_text("")
+    with pytest.raises(nx.checkpoint.NoCheckpointError, match="is a file, not a checkpoint"):
+        Checkpoints(tmp_path / "file")
+    with pytest.raises(TypeError, match=r"ema_decay='0\.9'"):
+        TrainOptions(ema_decay="0.9")
+    with pytest.raises(TypeError, match="loss_fn=3"):
+        TrainOptions(loss_fn=3)
+    with pytest.raises(TypeError, match="dropout='no'"):
+        TrainOptions(dropout="no")
+    with pytest.raises(TypeError, match="as a list"):
+        launch.run("python -c pass")
+    with pytest.raises(ValueError, match="whole numbers"):
+        launch.launch([sys.executable, "-c", "pass"], 2.5, 1)
+    trainer = trainer_for(DP, 8)
+    with pytest.raises(ValueError, match="steps=-1"):
+        trainer.train(BATCHES, -1)
+    tokens = BATCHES.rows(0)
+    for shape in [tokens[:, :1], tokens[:, :, None]]:
+        with pytest.raises(ValueError, match="rows of token ids, shape \\(rows, tokens\\)"):
+            trainer.train(lambda step, sharding, shape=shape: shape, 1)
+
+
+def test_an_optimizer_that_makes_a_non_finite_update_is_skipped_at_that_step() -> None:
+    """The step tests the update the optimizer makes, not only the gradients: AdamW without
+    its epsilon divides 0 by 0 for every row of the embedding no token of the batch used."""
+    trainer = trainer_for(DP, 8, tx=optax.adamw(1e-3, eps=0.0))
+    before = checksums(trainer.state["model"])
+    losses = trainer.train(BATCHES, 2)
+    assert np.isnan(losses).all() and trainer.skipped == [0, 1]
+    assert checksums(trainer.state["model"]) == before
+
+    def nan_from_step_1(count):
+        return jnp.where(count >= 1, jnp.nan, 1e-3)
+
+    scheduled = trainer_for(DP, 8, tx=optax.adamw(nan_from_step_1), nonfinite="raise")
+    scheduled.train(BATCHES, 1)
+    with pytest.raises(NonFiniteError, match="step 1: "):
+        scheduled.train(BATCHES, 1)
+    assert np.isfinite(np.asarray(scheduled.state["model"]["embed"][...])).all()

@@ -26,13 +26,17 @@ would drop, another run's directory), a failed background save raises from `wait
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import dataclasses
 import functools
 import json
 import re
+import sys
+import threading
 import time
 import warnings
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
@@ -51,6 +55,7 @@ from nnxscale.init import abstract
 from nnxscale.integrity import (
     LOCK_FILE,
     RUN_FILE,
+    SCHEME,
     WriterLock,
     checksums,
     claim_directory,
@@ -117,6 +122,8 @@ class Record:
     """The identity of the run that saved it (`Trainer.run`): one directory, one run."""
     arrays: dict[str, list[Any]] | None = None
     """Path -> [shape, dtype, checksum] of every array saved (`integrity.checksums`)."""
+    checksum_scheme: str | None = None
+    """How the checksums were computed (`integrity.SCHEME`)."""
 
     @property
     def devices(self) -> int:
@@ -226,6 +233,7 @@ def record_of(trainer: Trainer, data: Batches | None, saved: Any) -> Record:
         versions=installed,
         options=trainer.options.recorded(),
         run=trainer.run,
+        checksum_scheme=SCHEME,
         arrays={
             path: [list(shape), dtype, sums[path]]
             for path, (shape, dtype) in array_index(saved).items()
@@ -336,6 +344,19 @@ def state_to_restore(
     return TrainState(structure, tx, ema_decay=record.ema_decay)
 
 
+def check_target(model: object, rules: object, mesh: object) -> None:
+    """Raise a clear TypeError unless a restore is given a model, a rule set and a mesh."""
+    if not isinstance(model, nnx.Module) and not callable(model):
+        raise TypeError(
+            f"model: expected an NNX module or a function of the recorded configuration, got "
+            f"{model!r}; for the book's Transformer pass nx.Transformer.from_config."
+        )
+    if not isinstance(rules, Rules):
+        raise TypeError(f"rules: expected a rule set such as nx.FSDP, got {rules!r}")
+    if not isinstance(mesh, Mesh):
+        raise TypeError(f"mesh: expected a jax.sharding.Mesh (nx.strategy_mesh), got {mesh!r}")
+
+
 def restore_target(values: nnx.State, shardings: Any) -> nnx.State:
     """Shapes, dtypes and concrete shardings to restore into: an abstract state, no memory."""
     return jax.tree.map(
@@ -414,6 +435,16 @@ def orbax_manager(
     return ocp.CheckpointManager(directory, options=options, item_handlers=handlers)
 
 
+def _close_at_exit(checkpoints: weakref.ref[Checkpoints]) -> None:
+    """At exit, close a directory left open: its saves in flight are finished, not lost."""
+    opened = checkpoints()
+    if opened is not None and not opened.closed:
+        try:
+            opened.close()
+        except SaveError as error:
+            print(f"nnxscale: {error}", file=sys.stderr)
+
+
 class Checkpoints:
     """A directory of train-state checkpoints, managed by Orbax: async saves, the last k kept,
     every step verified when read, one writer at a time."""
@@ -432,6 +463,11 @@ class Checkpoints:
                 "the others, so it must be a whole number of at least 1."
             )
         self.directory = Path(directory).absolute()
+        if self.directory.exists() and not self.directory.is_dir():
+            raise NoCheckpointError(
+                f"{self.directory} is a file, not a checkpoint directory: pass a directory's "
+                "path (a new one to start saving)."
+            )
         if not create and not self.directory.is_dir():
             raise NoCheckpointError(
                 f"no checkpoint directory at {self.directory}: check the path, or save "
@@ -449,6 +485,13 @@ class Checkpoints:
         self.manager = orbax_manager(self.directory, keep, create, written)
         self.times: dict[int, SaveTimes] = {}
         self.skipped: dict[int, str] = {}  # steps the last restore passed over, and why
+        self.closed = False
+        # A save still being written when the program ends is finished, not lost. Orbax writes
+        # with thread pools, which refuse work once the interpreter starts shutting down, before
+        # `atexit` runs: so the close is registered where those pools register their own
+        # shutdown (called in reverse order, it runs first).
+        register = getattr(threading, "_register_atexit", atexit.register)
+        register(functools.partial(_close_at_exit, weakref.ref(self)))
 
     def save(
         self, trainer: Trainer, data: Batches | None = None, *, overwrite: bool = False
@@ -458,11 +501,12 @@ class Checkpoints:
         is at or below the newest here, or the directory holds another run's checkpoints
         (`overwrite=True` deletes those first). Stacked layers that a pipeline holds in rounds
         are saved as one plain stack, in the model's order, so any schedule restores them."""
-        if not self.writable:
+        if not self.writable or self.closed:
+            how = "closed" if self.closed else "opened to read (create=False)"
             raise SaveError(
-                f"{self.directory} was opened to read (create=False): open it with "
-                "Checkpoints(directory) to save."
+                f"{self.directory} was {how}: open it with Checkpoints(directory) to save."
             )
+        trainer.check_state()
         start = time.perf_counter()
         step = trainer.step_count()
         self._make_room(step, trainer.run, overwrite)
@@ -490,7 +534,7 @@ class Checkpoints:
         """Refuse a save Orbax would drop, or one that mixes two runs; with `overwrite`, delete
         the checkpoints in the way instead."""
         steps = sorted(self.manager.all_steps())  # this writer's view: no reload mid-save
-        owner = directory_run(self.directory)
+        owner = directory_run(self.directory) or self._recorded_run(steps)
         foreign = bool(steps) and owner is not None and owner != run
         later = [s for s in steps if s >= step]
         if not overwrite and foreign:
@@ -512,6 +556,13 @@ class Checkpoints:
             self.wait()
             for old in doomed:
                 self.manager.delete(old)
+
+    def _recorded_run(self, steps: list[int]) -> str | None:
+        """The run of the newest readable step, for a directory that lost its run file."""
+        for step in reversed(steps):
+            with contextlib.suppress(CheckpointError):
+                return self.record(step).run
+        return None
 
     @property
     def blocked(self) -> dict[int, float]:
@@ -553,6 +604,8 @@ class Checkpoints:
         return sorted(p.name for p in self.directory.glob(f"*{PARTIAL}"))
 
     def _step(self, step: int | None) -> int:
+        if step is not None and (isinstance(step, bool) or not isinstance(step, int | np.integer)):
+            raise TypeError(f"step={step!r}: a checkpoint's step is a whole number, or None")
         steps = self.steps()
         if step is None and steps:
             return steps[-1]
@@ -591,11 +644,16 @@ class Checkpoints:
             owner = directory_run(self.directory)
         except ValueError as error:
             raise CorruptCheckpointError(str(error)) from None
-        if record.step != step or (owner is not None and record.run != owner):
+        if record.step != step:
             raise CorruptCheckpointError(
-                f"the checkpoint in {self.directory / str(step)} was saved as step "
-                f"{record.step} of run {str(record.run)[:8]}, and this directory holds the "
-                f"checkpoints of run {str(owner)[:8]}: it was copied in from another run, "
+                f"the directory {self.directory / str(step)} holds the checkpoint of step "
+                f"{record.step}: it was renamed, or copied over another step. Give it back "
+                f"its name ({record.step}). " + FALL_BACK
+            )
+        if owner is not None and record.run != owner:
+            raise CorruptCheckpointError(
+                f"step {step} was saved by run {str(record.run)[:8]}, and {self.directory} "
+                f"holds the checkpoints of run {owner[:8]}: it was copied in from another run, "
                 "whose weights it holds. Restore it from that run's directory. " + FALL_BACK
             )
         return record
@@ -638,6 +696,12 @@ class Checkpoints:
         CheckpointMismatchError, naming the arrays, when `values` is shaped otherwise."""
         record = self.record(step)
         step = record.step
+        if record.checksum_scheme != SCHEME:
+            raise CheckpointMismatchError(
+                f"the checksums of step {step} were computed as {record.checksum_scheme!r}, "
+                f"and this nnxscale computes them as {SCHEME!r}: restore it with the nnxscale "
+                "that wrote it."
+            )
         recorded = {p: (tuple(a[0]), a[1]) for p, a in (record.arrays or {}).items()}
         try:
             stored = self.saved_arrays(step)
@@ -732,6 +796,7 @@ class Checkpoints:
         """
 
         check_optimizer(tx)
+        check_target(model, rules, mesh)
 
         def restore_step(at: int) -> Trainer:
             record = self.record(at)
@@ -774,6 +839,9 @@ class Checkpoints:
     def close(self) -> None:
         """Finish pending saves (a failed one raises SaveError), release Orbax's threads and
         the directory, whatever happens."""
+        if self.closed:
+            return
+        self.closed = True
         try:
             self.wait()
         finally:

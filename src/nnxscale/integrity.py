@@ -32,6 +32,10 @@ from flax import nnx
 from nnxscale.model import group_layers
 from nnxscale.trees import key_data, path_str
 
+SCHEME = "nnxscale-position-mix-1"
+"""The name of this way of computing checksums, recorded with them: a checkpoint whose sums
+were computed another way is refused as such, not as damaged."""
+
 GOLDEN = np.uint32(0x9E3779B9)
 """2**32 divided by the golden ratio: spreads consecutive positions over all 32 bits."""
 
@@ -132,7 +136,10 @@ def directory_run(directory: Path) -> str | None:
     if not path.exists():
         return None
     try:
-        return str(json.loads(path.read_text())["run"])
+        run = json.loads(path.read_text())["run"]
+        if not isinstance(run, str) or not run:
+            raise TypeError(f"the run is {run!r}, not a run's identity")
+        return run
     except (ValueError, KeyError, TypeError) as error:
         raise ValueError(
             f"{path} is damaged ({error}): it names the run whose checkpoints the directory "

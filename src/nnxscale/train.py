@@ -106,6 +106,11 @@ def check_optimizer(tx: optax.GradientTransformation) -> None:
     """Raise a clear error when `tx`'s first update of a weight with gradient 1 is not finite,
     or not a descent (a NaN, infinite or negative learning rate): checked once, on one number,
     before a step could write such an update into every weight."""
+    if not isinstance(tx, optax.GradientTransformation):
+        raise TypeError(
+            f"expected an optax optimizer (optax.GradientTransformation), got {tx!r}: pass one "
+            "such as nx.adamw() or optax.adamw(3e-3)."
+        )
     weight, grad = {"w": jnp.zeros((), jnp.float32)}, {"w": jnp.ones((), jnp.float32)}
     update = float(tx.update(grad, tx.init(weight), weight)[0]["w"])
     if not math.isfinite(update) or update > 0:
@@ -221,11 +226,12 @@ def train_step(
 ) -> tuple[nnx.State, jax.Array]:
     """One optimizer step and EMA update on `batch`; returns the new state and the loss.
 
-    When the loss or any gradient is not finite, the update is not applied: the weights,
-    optimizer moments and EMA stay as they were, the step counter and the dropout stream move
-    on (the batch is consumed), and the loss returned is NaN, so one bad batch cannot turn the
-    weights into NaN for good. The test is elementwise on arrays the step computes anyway,
-    and the choice a select fused into the update, so the step holds no second copy of the
+    When the loss, a gradient or the update the optimizer makes of them is not finite, the
+    update is not applied: the weights, optimizer moments and EMA stay as they were, the step
+    counter and the dropout stream move on (the batch is consumed), and the loss returned is
+    NaN, so neither a bad batch nor a bad optimizer step turns the weights into NaN for good.
+    The update is first computed only to be tested (the compiler fuses it into the test, so it
+    is not stored), then applied under a `jax.lax.cond`: the step holds no second copy of the
     state.
     """
     ts = nnx.merge(graphdef, state)
@@ -241,15 +247,28 @@ def train_step(
             ts.ema[path][...] = decay * ts.ema[path][...] + (1 - decay) * param[...]
         return nnx.state(ts)
 
-    finite = all_finite(loss, grads)
+    finite = all_finite(loss, grads, trial_update(ts.optimizer, ts.model, grads))
     ts = nnx.merge(graphdef, jax.lax.cond(finite, update, lambda values: values, nnx.state(ts)))
     ts.optimizer.step[...] = counter + 1
     return nnx.state(ts), jnp.where(finite, loss, jnp.nan)
 
 
-def all_finite(loss: jax.Array, grads: Any) -> jax.Array:
-    """Whether the loss and every gradient are finite (no NaN, no infinity): one boolean."""
-    checks = [jnp.isfinite(loss)] + [jnp.isfinite(g).all() for g in jax.tree.leaves(grads)]
+def trial_update(optimizer: nnx.Optimizer, model: nnx.Module, grads: nnx.State) -> Any:
+    """The updates `optimizer.update(model, grads)` would add to the parameters, computed
+    without applying them (the same arrays `nnx.Optimizer.update` gives its `tx`)."""
+    updates, _ = optimizer.tx.update(
+        nnx.as_pure(nnx.state(grads, optimizer.wrt)),
+        nnx.as_pure(optimizer.opt_state),
+        nnx.as_pure(nnx.state(model, optimizer.wrt)),
+    )
+    return updates
+
+
+def all_finite(loss: jax.Array, grads: Any, updates: Any) -> jax.Array:
+    """Whether the loss, every gradient and every update are finite (no NaN, no infinity):
+    one boolean, from one test per parameter of its gradient and update together."""
+    pairs = zip(jax.tree.leaves(grads), jax.tree.leaves(updates), strict=True)
+    checks = [jnp.isfinite(loss)] + [(jnp.isfinite(g) & jnp.isfinite(u)).all() for g, u in pairs]
     return jnp.stack(checks).all()
 
 
@@ -273,7 +292,8 @@ def model_config(model: nnx.Module) -> dict[str, Any] | None:
 
 
 NONFINITE = ("skip", "raise")
-"""The policies for a step whose loss or a gradient is not finite (`TrainOptions.nonfinite`)."""
+"""The policies for a step whose loss, a gradient or an update is not finite
+(`TrainOptions.nonfinite`)."""
 
 
 class StateLostError(RuntimeError):
@@ -304,11 +324,19 @@ class TrainOptions:
     compiler_options: Mapping[str, Any] | None = None
     activations: bool = True
     nonfinite: str = "skip"
-    """What `Trainer.train` does after a step whose loss or a gradient was not finite (the
-    step never applies such an update): "skip" lists it in `Trainer.skipped` and goes on,
-    "raise" raises NonFiniteError."""
+    """What `Trainer.train` does after a step whose loss, a gradient or an update was not
+    finite (the step never applies such an update): "skip" lists it in `Trainer.skipped` and
+    goes on, "raise" raises NonFiniteError."""
 
     def __post_init__(self) -> None:
+        kinds = {"seed": int, "dropout": bool, "activations": bool, "ema_decay": int | float}
+        for name, kind in kinds.items():
+            value = getattr(self, name)
+            if not isinstance(value, kind) or (kind is not bool and isinstance(value, bool)):
+                raise TypeError(f"{name}={value!r}: expected {getattr(kind, '__name__', kind)}")
+        for name in ("loss_fn", "grads_fn"):
+            if getattr(self, name) is not None and not callable(getattr(self, name)):
+                raise TypeError(f"{name}={getattr(self, name)!r}: expected a function, or None")
         if self.nonfinite not in NONFINITE:
             raise ValueError(
                 f"nonfinite={self.nonfinite!r}: choose {' or '.join(map(repr, NONFINITE))}."
@@ -318,7 +346,11 @@ class TrainOptions:
                 "pass loss_fn or grads_fn, not both: grads_fn computes the loss itself (wrap "
                 "your loss in it), loss_fn is differentiated by the library's loss_and_grads."
             )
-        if not isinstance(self.micro_batches, int) or self.micro_batches < 1:
+        if (
+            isinstance(self.micro_batches, bool)
+            or not isinstance(self.micro_batches, int)
+            or self.micro_batches < 1
+        ):
             raise ValueError(
                 f"micro_batches={self.micro_batches!r}: the step cuts each batch into this "
                 "many slices, so it must be a whole number of at least 1."
@@ -381,7 +413,7 @@ class Trainer:
     """The run this state belongs to: new for a created trainer, the saved run's for a
     restored one. A checkpoint directory holds the steps of one run."""
     skipped: list[int] = dataclasses.field(default_factory=list)
-    """Steps whose update was skipped because their loss or a gradient was not finite."""
+    """Steps whose update was skipped because their loss, a gradient or an update was not finite."""
 
     @classmethod
     def create(
@@ -485,6 +517,8 @@ class Trainer:
 
     def train(self, batches: Callable[[int, NamedSharding], Any], steps: int) -> list[float]:
         """Run `steps` steps on the batches of `batches` from the current step; the losses."""
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
+            raise ValueError(f"steps={steps!r}: how many steps to train, a whole number, 0 or more")
         self.check_state()
         first = int(self.step_count())
         losses = []
@@ -514,15 +548,17 @@ class Trainer:
             )
 
     def nonfinite(self, step: int) -> None:
-        """After step `step` skipped its update (its loss or a gradient was not finite): note
-        it in `skipped`, or raise NonFiniteError, as the options' `nonfinite` says."""
+        """After step `step` skipped its update (its loss, a gradient or an update was not
+        finite): note it in `skipped`, or raise NonFiniteError, as the options' `nonfinite`
+        says."""
         self.skipped.append(step)
         if self.options.nonfinite == "raise":
             raise NonFiniteError(
-                f"step {step}: the loss or a gradient was not finite (NaN or infinite), so the "
-                "step did not change the weights, optimizer moments or EMA; only its counter "
-                "moved past the batch. Look for NaN, infinite or huge values in that batch, "
-                "token ids outside the vocabulary, or a learning rate that is not finite; "
+                f"step {step}: the loss, a gradient or the optimizer's update was not finite (NaN "
+                "or infinite), so the step did not change the weights, optimizer moments or "
+                "EMA; only its counter moved past the batch. Look for NaN, infinite or huge "
+                "values in that batch, or an optimizer setting that divides by zero or a "
+                "schedule that is not finite at this step; "
                 'TrainOptions(nonfinite="skip") skips such steps and goes on.'
             )
 
@@ -736,6 +772,12 @@ def check_tokens(batch: Any, vocab: int) -> None:
     [0, vocab): an id outside would read no embedding row, and poison the step."""
     for path, x in flat(batch):
         where = f"batch array {path!r}" if path else "the batch"
+        if x.ndim != 2 or x.shape[1] < 2:
+            raise ValueError(
+                f"{where} has shape {x.shape}: the model reads rows of token ids, shape (rows, "
+                "tokens) with at least 2 tokens a row, as it predicts each token from those "
+                "before it."
+            )
         if not jnp.issubdtype(x.dtype, jnp.integer):
             raise ValueError(
                 f"{where} has dtype {x.dtype}: the model reads integer token ids (int32)."
