@@ -191,7 +191,9 @@ def test_bit_flips_anywhere_in_array_data_never_restore_wrong_values(saved, copy
             assert "step 3" in str(error)
             outcomes.append("refused")
         path.write_bytes(original)
-    assert outcomes.count("refused") >= 20, outcomes
+    # a bit the reader never reads (index padding, a superseded value) restores exactly;
+    # most land in chunks, and each of those is refused
+    assert outcomes.count("refused") > len(outcomes) // 2, outcomes
 
 
 def test_a_step_copied_in_from_another_run_is_refused(saved, copy, tmp_path) -> None:
@@ -315,9 +317,9 @@ def test_a_failed_background_save_raises_and_the_process_exits(tmp_path) -> None
     start = time.monotonic()
     done = launch.run([sys.executable, str(script), str(tmp_path / "run")], timeout=120)
     assert done.returncodes == [0] and time.monotonic() - start < 120
-    (line,) = [line for line in done.output if line.startswith("SaveError:")]
-    assert "the save of step 2 failed while writing" in line
-    assert "The complete checkpoints are intact: [1]" in line
+    # one write of the whole message; Orbax's threads may print to stderr just before it
+    assert "SaveError: the save of step 2 failed while writing" in done.text
+    assert "The complete checkpoints are intact: [1]" in done.text
     assert restore(tmp_path / "run").step_count() == 1
 
 
@@ -459,12 +461,11 @@ def test_a_step_that_fails_while_running_names_the_lost_state_and_a_restore_resu
     script = tmp_path / "fails.py"
     script.write_text(STEP_FAILS)
     done = launch.run([sys.executable, str(script), str(tmp_path / "run")], timeout=180)
-    lost = [line for line in done.output if line.startswith("StateLostError:")]
+    lost = re.findall(r"StateLostError: [^\n]*", done.text)  # stderr may precede a line
     assert len(lost) == 2, done.text
     assert "step 1 failed while running" in lost[0] and "restore_into" in lost[0]
     assert "a step failed while running" in lost[1]
-    (last,) = [line for line in done.output if line.startswith("losses")]
-    assert last.endswith(" 2")
+    assert re.findall(r"losses \[[^\]]*\] (\d+)", done.text) == ["2"]
 
 
 WORKER = """
@@ -609,7 +610,7 @@ def test_a_save_in_flight_at_exit_is_finished_and_a_closed_directory_refuses_sav
     done = launch.run([sys.executable, str(script), str(tmp_path / "run"), ending], timeout=120)
     assert done.returncodes == [0]
     assert Checkpoints(tmp_path / "run", create=False).steps() == [1]  # the save was finished
-    refused = [line for line in done.output if line.startswith("SaveError:")]
+    refused = re.findall(r"SaveError: [^\n]*", done.text)
     assert len(refused) == (ending == "closed")
     assert all("was closed: open it with Checkpoints(directory)" in line for line in refused)
 
