@@ -290,8 +290,8 @@ def test_a_writer_killed_by_sigkill_leaves_a_lock_the_next_writer_takes(tmp_path
         assert taken.lock is not None
 
 
-FAILING_SAVE = """
-import resource, signal, sys
+SAVED_ONCE = """
+import sys
 import nnxscale as nx
 nx.emulate_devices(2)
 trainer = nx.trainer_for(nx.DP, 2)
@@ -299,6 +299,13 @@ data = nx.book_batches(8)
 checkpoints = nx.Checkpoints(sys.argv[1])
 trainer.train(data, 1)
 checkpoints.save(trainer, data)
+"""
+"""A worker's start: a DP trainer on 2 devices that has saved step 1 in the directory argv[1]."""
+
+FAILING_SAVE = (
+    SAVED_ONCE
+    + """
+import resource, signal
 checkpoints.wait()
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a full disk: writes fail with EFBIG
 resource.setrlimit(resource.RLIMIT_FSIZE, (2000, resource.RLIM_INFINITY))
@@ -309,6 +316,7 @@ try:
 except nx.checkpoint.SaveError as error:
     print(f"SaveError: {error}", flush=True)
 """
+)
 
 
 def test_a_failed_background_save_raises_and_the_process_exits(tmp_path) -> None:
@@ -582,15 +590,9 @@ def test_the_finite_check_agrees_on_one_flag_per_split_gradient() -> None:
     assert 0 < flags["FSDP"].array_bytes() <= len(split)
 
 
-CLOSING = """
-import sys
-import nnxscale as nx
-nx.emulate_devices(2)
-trainer = nx.trainer_for(nx.DP, 2)
-data = nx.book_batches(8)
-checkpoints = nx.Checkpoints(sys.argv[1])
-trainer.train(data, 1)
-checkpoints.save(trainer, data)
+CLOSING = (
+    SAVED_ONCE
+    + """
 if sys.argv[2] == "closed":
     checkpoints.close()
     trainer.train(data, 1)
@@ -599,6 +601,7 @@ if sys.argv[2] == "closed":
     except nx.checkpoint.SaveError as error:
         print(f"SaveError: {error}", flush=True)
 """
+)
 
 
 @pytest.mark.parametrize("ending", ["open", "closed"])
