@@ -121,7 +121,8 @@ def test_strict_is_honoured_by_the_automatic_axis() -> None:
 
 def test_a_large_array_left_whole_is_warned_about() -> None:
     mesh = nx.make_mesh((8,), ("data",))
-    big = {"w": jax.ShapeDtypeStruct((1001, 1001), jnp.float32), "b": jnp.zeros(5)}
+    # b splits, so the rules split something: only the large array is warned about
+    big = {"w": jax.ShapeDtypeStruct((1001, 1001), jnp.float32), "b": jnp.zeros(8)}
     with pytest.warns(
         nx.layout.ReplicationWarning, match=r"1 arrays of 4,008,004 bytes.*w \(1001, 1001\)"
     ):
@@ -312,8 +313,14 @@ def test_every_strategy_of_the_table_builds_its_mesh() -> None:
     assert shapes["EP"] == {"data": 1, "expert": 8}
     assert shapes["FSDP+EP"] == {"data": 2, "expert": 4}
     assert dict(nx.strategy_mesh(nx.auto_fsdp("x")).shape) == {"x": 8}
-    with pytest.raises(nx.rules.RuleError, match="exactly one of them -1"):
-        nx.Rules("bad", {}, axes=("a", "b"), sizes=(2, 4))
+    with pytest.raises(nx.rules.RuleError, match="at most one of them -1"):
+        nx.Rules("bad", {}, axes=("a", "b"), sizes=(-1, -1))
+    with pytest.raises(nx.rules.RuleError, match="at least 1"):
+        nx.Rules("bad", {}, axes=("a", "b"), sizes=(0, -1))
+    fixed = nx.Rules("fixed", {}, axes=("a", "b"), sizes=(2, 4))  # no -1: exactly 8 devices
+    assert dict(nx.strategy_mesh(fixed).shape) == {"a": 2, "b": 4}
+    with pytest.raises(nx.rules.RuleError, match=r"fixes its mesh at \{'a': 2, 'b': 4\}"):
+        nx.strategy_mesh(fixed, 4)
     with pytest.raises(nx.rules.RuleError, match="lack"):
         nx.Rules("bad", {"embed": ("model",)}, axes=("data",), sizes=(-1,))
     with pytest.raises(nx.rules.RuleError, match="annotations='sometimes'"):

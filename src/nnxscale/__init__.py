@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from nnxscale import (
     activations,
+    agree,
     calculator,
     checkpoint,
     cli,
@@ -37,6 +38,7 @@ from nnxscale import (
     mesh,
     model,
     moe,
+    naming,
     params,
     pipeline,
     planner,
@@ -47,6 +49,7 @@ from nnxscale import (
     train,
     trees,
 )
+from nnxscale.agree import agreement
 from nnxscale.checkpoint import Checkpoints
 from nnxscale.data import Batches, book_batches
 from nnxscale.devices import emulate_devices
@@ -109,6 +112,7 @@ __all__ = [
     "Transformer",
     "abstract",
     "adamw",
+    "agreement",
     "auto_fsdp",
     "book_batches",
     "collectives",
@@ -125,8 +129,9 @@ __all__ = [
 ]
 
 MODULES = (
-    activations, calculator, checkpoint, cli, comm, context, costs, data, devices, environment,
-    events, figures, formula, fsdp, hlo, init, integrity, launch, layout, losses, machine, memory,
-    mesh, model, moe, params, pipeline, planner, program, rules, schedules, show, train, trees,
+    activations, agree, calculator, checkpoint, cli, comm, context, costs, data, devices,
+    environment, events, figures, formula, fsdp, hlo, init, integrity, launch, layout, losses,
+    machine, memory, mesh, model, moe, naming, params, pipeline, planner, program, rules,
+    schedules, show, train, trees,
 )  # fmt: skip
 """The modules, each reached as `nx.<module>`: the rest of the library, spelled with its home."""

@@ -64,6 +64,7 @@ from nnxscale.integrity import (
     seal,
 )
 from nnxscale.layout import Layout, resolve
+from nnxscale.mesh import constrain_to
 from nnxscale.model import Config, group_layers, layer_rounds
 from nnxscale.rules import Rules
 from nnxscale.show import table
@@ -379,7 +380,7 @@ def _regrouping(rounds: int, layout: Layout) -> Callable[[Any], Any]:
     def regroup(state: Any) -> Any:
         held = group_layers(state, rounds)
         placed = resolve(held, layout.rules, layout.mesh).shardings()
-        return jax.lax.with_sharding_constraint(held, placed)
+        return jax.tree.map(constrain_to, held, placed)
 
     return jax.jit(regroup)
 

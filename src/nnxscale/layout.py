@@ -12,8 +12,10 @@ from typing import Any
 import jax
 import numpy as np
 from flax import nnx
+from flax.core.spmd import composite_rules, get_logical_axis_rules
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from nnxscale.mesh import axis_kind, constrain_to
 from nnxscale.rules import RuleError, Rules, role_of
 from nnxscale.show import table
 from nnxscale.trees import flat
@@ -33,8 +35,9 @@ class Placement:
     total_bytes: int
     reason: str
     fallback: bool = False
-    """Whether the rules asked for a split that could not be made (or for none at all, in a
-    rule set that splits other arrays): the array is split less than the rules intend."""
+    """Whether the array is split less than the rules intend: a dimension they asked to split
+    could not be (no candidate divides it), or it has no names in a rule set that splits
+    other arrays."""
 
     @property
     def pieces(self) -> int:
@@ -59,8 +62,13 @@ def _spec_entry(axes: tuple[str, ...] | None) -> str | tuple[str, ...] | None:
 
 
 def _place_logical(
-    path: str, shape: tuple[int, ...], logical: tuple[str | None, ...], rules: Rules, mesh: Mesh
-) -> tuple[list[tuple[str, ...] | None], list[str]]:
+    path: str,
+    shape: tuple[int, ...],
+    logical: tuple[str | None, ...],
+    rules: Rules,
+    mesh: Mesh,
+    flax: dict[str, object] | None = None,
+) -> tuple[list[tuple[str, ...] | None], list[str], bool]:
     if len(logical) != len(shape):
         raise RuleError(
             f"{path}: {len(logical)} logical names {logical} for an array of shape {shape}; "
@@ -69,12 +77,20 @@ def _place_logical(
     chosen: list[tuple[str, ...] | None] = []
     notes: list[str] = []
     used: set[str] = set()
+    short = False  # a dimension the rules asked to split stayed whole
     for size, name in zip(shape, logical, strict=True):
         if name is None:
             chosen.append(None)
             continue
         pick, skipped = None, []
-        for axes in rules.candidates(name, path):
+        for axes in rules.candidates(name, path, flax):
+            if not set(axes) <= set(mesh.axis_names):
+                raise RuleError(
+                    f"{path}: Flax's logical rules map {name!r} to mesh axes {axes}, and the "
+                    f"mesh {dict(mesh.shape)} lacks {sorted(set(axes) - set(mesh.axis_names))}:"
+                    " change the rule (nnx.logical_axis_rules or the variable's sharding_rules)"
+                    " or add the axis to the mesh."
+                )
             if used & set(axes):
                 skipped.append(f"{'+'.join(axes)} already splits another dimension")
             elif size % _axes_size(mesh, axes):
@@ -88,12 +104,15 @@ def _place_logical(
                 f"rule set {rules.name!r} is strict. Make {name} a multiple of the axis size, "
                 f"add a fallback for {name!r}, or use strict=False to replicate it."
             )
+        short |= bool(skipped) and pick is None
         if skipped:
             outcome = f"{'+'.join(pick)}" if pick else "replicated"
             notes.append(f"{name}={size}: {'; '.join(skipped)}, so {outcome}")
+        elif pick and size > 1 and _axes_size(mesh, pick) == 1:
+            notes.append(f"{name}={size}: {'+'.join(pick)} has one device, so not split")
         used |= set(pick or ())
         chosen.append(pick)
-    return chosen, notes
+    return chosen, notes, short
 
 
 def _place(
@@ -103,16 +122,18 @@ def _place(
     rules: Rules,
     mesh: Mesh,
     role: str,
+    flax: dict[str, object] | None = None,
 ) -> tuple[list[tuple[str, ...] | None], str, bool]:
     """Mesh axes for each dimension, the reason, and whether the rules could not be followed."""
     chosen: list[tuple[str, ...] | None] = [None] * len(shape)
     notes: list[str] = []
+    short = False
     if role in rules.whole:
         return chosen, f"{rules.name} keeps {role} whole", False
     if logical is not None and rules.annotations != "ignore":
-        chosen, notes = _place_logical(path, shape, logical, rules, mesh)
+        chosen, notes, short = _place_logical(path, shape, logical, rules, mesh, flax)
         if rules.auto_axis is None or rules.annotations == "use":
-            return chosen, "; ".join(notes), bool(notes) and not any(chosen)
+            return chosen, "; ".join(notes), short
     elif rules.auto_axis is None:
         if rules.strict and rules.shards_anything() and shape:
             raise RuleError(
@@ -123,7 +144,7 @@ def _place(
         return chosen, "no logical names: replicated", rules.shards_anything() and bool(shape)
     axis, size = rules.auto_axis, mesh.shape[rules.auto_axis]
     if any(axis in (axes or ()) for axes in chosen):
-        return chosen, "; ".join([*notes, f"{axis} already splits another dimension"]), False
+        return chosen, "; ".join([*notes, f"{axis} already splits another dimension"]), short
     whole_dims = tuple(0 if axes else n for n, axes in zip(shape, chosen, strict=True))
     dim = largest_divisible_dim(whole_dims, size)
     kind = "fill" if logical is not None and rules.annotations == "fill" else "auto"
@@ -137,10 +158,17 @@ def _place(
         split = any(chosen)
         whole = f"{kind}: no {'whole ' if split else ''}dimension divisible by {axis} ({size}), "
         whole += "so not split further" if split else "replicated"
-        return chosen, "; ".join([*notes, whole]), not split and bool(shape) and size > 1
+        return chosen, "; ".join([*notes, whole]), short or (not split and bool(shape) and size > 1)
     chosen[dim] = (axis,)
     picked = f"{kind}: largest dimension divisible by {axis} ({size})"
-    return chosen, "; ".join([*notes, picked]), False
+    if size == 1:
+        picked = f"{kind}: {axis} has one device, so not split"
+    return chosen, "; ".join([*notes, picked]), short
+
+
+ANNOTATION_KEYS = ("out_sharding", "sharding_names", "sharding")
+"""Variable metadata holding logical (or mesh axis) names, newest Flax spelling first:
+`nnx.with_partitioning` and `nnx.Param(..., out_sharding=...)` write `out_sharding`."""
 
 
 def _logical_names(leaf: Any, path: str, rules: Rules) -> tuple[str | None, ...] | None:
@@ -148,9 +176,20 @@ def _logical_names(leaf: Any, path: str, rules: Rules) -> tuple[str | None, ...]
     if from_path is not None:
         return tuple(from_path)
     if isinstance(leaf, nnx.Variable):
-        names = leaf.get_metadata().get("out_sharding")
-        return tuple(names) if names else None
+        metadata = leaf.get_metadata()
+        for key in ANNOTATION_KEYS:
+            names = metadata.get(key)
+            if isinstance(names, PartitionSpec | tuple | list) and names:
+                return tuple(names)
     return None
+
+
+def flax_rules_of(leaf: Any) -> dict[str, object]:
+    """Flax's logical rules for `leaf`: the active `nnx.logical_axis_rules` merged with the
+    variable's own `sharding_rules` metadata, by Flax's own merge (which refuses a name the
+    two map differently)."""
+    local = leaf.get_metadata().get("sharding_rules") if isinstance(leaf, nnx.Variable) else None
+    return dict(composite_rules(get_logical_axis_rules(), local or ()))
 
 
 class Layout:
@@ -188,13 +227,21 @@ class Layout:
         return sum(p.total_bytes for p in self.placements)
 
     def replicated_bytes(self) -> int:
-        """Bytes of the arrays that no mesh axis splits: held whole by every device."""
-        return sum(p.total_bytes for p in self.placements if not any(p.spec))
+        """Bytes of the arrays every device holds whole (`replicated()`'s, summed)."""
+        return sum(p.total_bytes for p in self.replicated())
 
     def replicated(self, min_bytes: int = 0) -> list[Placement]:
-        """The arrays of at least `min_bytes` that every device holds whole, largest first."""
+        """The arrays of at least `min_bytes` that every device holds whole (cut into one
+        piece: no axis splits them, or only axes of one device), largest first."""
         whole = [p for p in self.placements if p.pieces == 1 and p.total_bytes >= min_bytes]
         return sorted(whole, key=lambda p: -p.total_bytes)
+
+    def unsplit(self) -> list[Placement]:
+        """The arrays split less than the rule set meant, each with its reason: a dimension
+        no candidate divides, no logical names under rules that split others, or (held whole)
+        only axes of one device to split over. Largest first."""
+        less = [p for p in self.placements if p.fallback or (p.pieces == 1 and any(p.spec))]
+        return sorted(less, key=lambda p: -p.total_bytes)
 
     @property
     def batch_sharding(self) -> NamedSharding:
@@ -266,6 +313,7 @@ def resolve(
     Arrays of at least `warn_bytes` that the rules could not split raise a
     `ReplicationWarning` naming them (`Layout.replicated()` lists every whole array).
     """
+    axis_kind(mesh)
     missing = sorted(rules.mesh_axes() - set(mesh.axis_names))
     if missing:
         raise RuleError(
@@ -279,7 +327,9 @@ def resolve(
         shape = tuple(int(d) for d in np.shape(leaf))
         dtype = leaf.dtype  # a NumPy dtype, or a JAX key type (which has an itemsize too)
         logical = _logical_names(leaf, path, rules)
-        chosen, reason, fallback = _place(path, shape, logical, rules, mesh, role or role_of(path))
+        flax = flax_rules_of(leaf)
+        where = role or role_of(path)
+        chosen, reason, fallback = _place(path, shape, logical, rules, mesh, where, flax)
         spec = PartitionSpec(*(_spec_entry(axes) for axes in chosen))
         splits = [_axes_size(mesh, a) if a else 1 for a in chosen]
         shard = tuple(s // k for s, k in zip(shape, splits, strict=True))
@@ -305,6 +355,9 @@ def resolve(
 
 def _warn_if_whole(whole: list[Placement], layout: Layout, warn_bytes: int) -> None:
     big = sorted((p for p in whole if p.total_bytes >= warn_bytes), key=lambda p: -p.total_bytes)
+    arrays = [p for p in layout.placements if p.shape and p.total_bytes > 0]
+    if whole and len(whole) == len(arrays) and warn_bytes < math.inf:
+        big = sorted(whole, key=lambda p: -p.total_bytes)  # the rules split nothing at all
     if not big:
         return
     listed = ", ".join(f"{p.path} {p.shape} ({p.reason})" for p in big[:3])
@@ -395,7 +448,7 @@ def activation_axes(
     """The mesh axes `rules` give each dimension of an activation with logical `names` on
     `mesh` (names the rules do not know stay whole)."""
     known = tuple(n if n is not None and n in rules.logical else None for n in names)
-    chosen, _ = _place_logical("activation", tuple(shape), known, rules, mesh)
+    chosen, _, _ = _place_logical("activation", tuple(shape), known, rules, mesh)
     return chosen
 
 
@@ -438,4 +491,4 @@ def constrain(
     if placed is None:
         return x
     spec, mesh = placed
-    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+    return constrain_to(x, NamedSharding(mesh, spec))

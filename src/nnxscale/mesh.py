@@ -6,7 +6,18 @@ import math
 from collections.abc import Sequence
 
 import jax
-from jax.sharding import AxisType, Mesh
+from jax.sharding import AxisType, Mesh, NamedSharding
+
+AXIS_TYPES = {
+    "auto": "the compiler propagates shardings from the inputs and places every operation "
+    "itself; a model may add `jax.lax.with_sharding_constraint`, and must not pass "
+    "`out_sharding=` (JAX refuses Auto axis names there)",
+    "explicit": "every array's sharding is part of its type and each operation's follows "
+    "from its inputs' by fixed rules; a model passes `out_sharding=` (or calls "
+    "`jax.sharding.reshard`) where they leave a choice, such as a matmul between arrays "
+    "split over the same axis",
+}
+"""The two kinds of mesh axes the library places arrays on, and what each asks of a model."""
 
 
 def grid_shape(devices: int, inner: int = 2) -> tuple[int, int]:
@@ -27,8 +38,12 @@ def make_mesh(
 ) -> Mesh:
     """`jax.make_mesh` over all (or the given) devices, with Auto axes unless `explicit`.
 
-    Auto is what every strategy of the library uses (the compiler propagates shardings, and
-    `with_sharding_constraint` works); `jax.make_mesh` itself defaults to Explicit axes.
+    Which type a model needs depends on how it is written (`AXIS_TYPES`): Auto for a model
+    that leaves placement to the compiler (the book's Transformer, `with_sharding_constraint`,
+    any unannotated model); Explicit for one that says where its operations' outputs go
+    (`out_sharding=`, `jax.sharding.reshard`), as current Flax examples do. The library's
+    rule sets, initialisation, trainer and checkpoints work on both. `jax.make_mesh` itself
+    defaults to Explicit axes.
     """
     shape, names = tuple(shape), tuple(names)
     if len(shape) != len(names):
@@ -47,3 +62,54 @@ def make_mesh(
         )
     kind = AxisType.Explicit if explicit else AxisType.Auto
     return jax.make_mesh(shape, names, axis_types=(kind,) * len(shape), devices=pool)
+
+
+def axis_kind(mesh: Mesh) -> str:
+    """ "explicit" or "auto": the type of every axis of `mesh`; a mix is refused, since a
+    constraint (`constrain_to`) and Flax's variables need one kind throughout."""
+    kinds = {AxisType.Explicit: "explicit", AxisType.Auto: "auto"}
+    found = {kinds.get(t, str(t)) for t in mesh.axis_types}
+    if len(found) != 1 or not found <= set(AXIS_TYPES):
+        types = dict(zip(mesh.axis_names, map(str, mesh.axis_types), strict=True))
+        raise ValueError(
+            f"mesh {dict(mesh.shape)} has axes of types {types}: the library places arrays on "
+            "meshes whose axes are all Auto or all Explicit. Build it with "
+            "nx.make_mesh(shape, names, explicit=...) (or nx.strategy_mesh(rules, explicit=...))."
+        )
+    return found.pop()
+
+
+def constrain_to(x: jax.Array, sharding: NamedSharding) -> jax.Array:
+    """`x` placed as `sharding` says inside a traced function, on either kind of mesh: a
+    constraint the compiler honours on Auto axes, a reshard (part of the type) on Explicit."""
+    if axis_kind(sharding.mesh) == "explicit":
+        return jax.sharding.reshard(x, sharding)
+    return jax.lax.with_sharding_constraint(x, sharding)
+
+
+class AxisTypeError(ValueError):
+    """A model written for one kind of mesh axes (`AXIS_TYPES`) traced on the other."""
+
+
+def axis_type_error(error: Exception, mesh: Mesh) -> AxisTypeError | None:
+    """The error to raise instead of `error`, JAX's, when it comes from tracing a model on a
+    mesh whose axis type the model was not written for; None when it does not."""
+    text = f"{type(error).__name__}: {error}"
+    first = str(error).splitlines()[0] if str(error) else type(error).__name__
+    if "of type Auto" in text and "cannot contain axis names" in text:
+        return AxisTypeError(
+            f"the model passes out_sharding= (or reshards) with mesh axis names, which JAX takes "
+            f"on Explicit axes only, and mesh {dict(mesh.shape)} has Auto axes. Build the mesh "
+            "with explicit=True: nx.strategy_mesh(rules, explicit=True) or nx.make_mesh(shape, "
+            f"names, explicit=True). (JAX said: {first})"
+        )
+    if "ShardingTypeError" in text and axis_kind(mesh) == "explicit":
+        return AxisTypeError(
+            f"on mesh {dict(mesh.shape)}, whose axes are Explicit, JAX could not decide where an "
+            "operation of the model puts its output: its inputs are split in ways that leave a "
+            "choice (typically a weight split over the batch's axis, as FSDP splits it). "
+            "Either build the mesh with Auto axes (nx.strategy_mesh(rules) or "
+            "nx.make_mesh(shape, names)), which lets the compiler choose, or pass "
+            f"out_sharding= to that operation. (JAX said: {first})"
+        )
+    return None

@@ -21,6 +21,7 @@ from jax.sharding import NamedSharding
 from nnxscale.context import context_split, from_layout, ring_attention, to_layout
 from nnxscale.layout import activation_spec, constrain, weight_layout
 from nnxscale.losses import cross_entropy
+from nnxscale.mesh import constrain_to
 from nnxscale.moe import MoE, Routing
 
 LOGICAL_AXES = ("vocab", "embed", "heads", "head_dim", "mlp", "length", "layers", "experts")
@@ -154,8 +155,8 @@ def _cast_where_stored(value: jax.Array, dtype: Any, placed: Any, stored: Any) -
         return copy
     stored, read, mesh = placed
     bits = jax.lax.bitcast_convert_type(copy, jnp.dtype(f"uint{8 * copy.dtype.itemsize}"))
-    bits = jax.lax.with_sharding_constraint(bits, NamedSharding(mesh, stored))
-    bits = jax.lax.with_sharding_constraint(bits, NamedSharding(mesh, read))
+    bits = constrain_to(bits, NamedSharding(mesh, stored))
+    bits = constrain_to(bits, NamedSharding(mesh, read))
     return jax.lax.bitcast_convert_type(bits, dtype)
 
 
@@ -367,6 +368,10 @@ BlockRunner = Callable[
 
 class Transformer(nnx.Module):
     """Decoder-only language model: token and position embeddings, blocks, norm, output head."""
+
+    AXIS_TYPE = "auto"
+    """The mesh axes it is written for (`nnxscale.mesh.AXIS_TYPES`): it leaves placement to
+    the compiler, with constraints from the active rules."""
 
     def __init__(self, cfg: Config, *, rngs: nnx.Rngs) -> None:
         self.cfg = cfg

@@ -9,6 +9,7 @@ divides the dimension; otherwise the dimension is replicated and the reason reco
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from collections.abc import Iterable, Mapping
 from typing import TypeAlias
@@ -58,7 +59,12 @@ class Rules:
     parameters and gradients whole, ZeRO-2 with parameters whole.
     `axes` and `sizes` describe the mesh (`strategy_mesh` builds it): an axis of size -1 takes
     the devices the others leave, one of size k takes the largest count up to k that divides
-    what is left.
+    what is left; without a -1 the sizes are the mesh's shape, for exactly that many devices.
+
+    Path rules are searched in every array's path; when several match, the one matching the
+    longest stretch of the path wins (`_query_norm/scale$` over `norm/scale$`), and two equally
+    long matches that give different names are refused: the order they are written in never
+    decides.
     """
 
     name: str
@@ -83,10 +89,15 @@ class Rules:
                 f"rule set {self.name!r}: annotations={self.annotations!r}; use one of "
                 f"{', '.join(map(repr, ANNOTATIONS))}."
             )
-        if len(self.axes) != len(self.sizes) or list(self.sizes).count(-1) != 1:
+        if (
+            len(self.axes) != len(self.sizes)
+            or list(self.sizes).count(-1) > 1
+            or any(s != -1 and (not isinstance(s, int) or s < 1) for s in self.sizes)
+        ):
             raise RuleError(
                 f"rule set {self.name!r}: mesh axes {self.axes} with sizes {self.sizes}; give "
-                "one size per axis, exactly one of them -1 (the devices the others leave)."
+                "one size per axis, each a whole number of at least 1, and at most one of "
+                "them -1 (the devices the others leave)."
             )
         unknown = sorted(self.mesh_axes() - set(self.axes))
         if unknown:
@@ -99,8 +110,20 @@ class Rules:
         """A copy with some fields changed."""
         return dataclasses.replace(self, **changes)
 
-    def candidates(self, logical_name: str, path: str) -> tuple[tuple[str, ...], ...]:
-        """The candidates for `logical_name`, each as a tuple of mesh axes."""
+    def candidates(
+        self, logical_name: str, path: str, flax: Mapping[str, object] | None = None
+    ) -> tuple[tuple[str, ...], ...]:
+        """The candidates for `logical_name`, each as a tuple of mesh axes. A name that Flax's
+        logical rules (`flax`: the active `nnx.logical_axis_rules` and the variable's own
+        `sharding_rules`, `flax_rules_of`) map tries Flax's mesh axes first and then this rule
+        set's candidates as fallbacks; Flax's None (replicate) is kept as it is."""
+        if flax and logical_name in flax:
+            target = flax[logical_name]
+            if target is None:
+                return ()
+            first = _as_tuple(target)  # type: ignore[arg-type]
+            rest = self.logical.get(logical_name, ())
+            return (first, *(c for c in map(_as_tuple, rest) if c != first))
         if logical_name not in self.logical:
             known = ", ".join(sorted(self.logical)) or "no names"
             raise RuleError(
@@ -113,11 +136,25 @@ class Rules:
         return tuple((c,) if isinstance(c, str) else tuple(c) for c in self.logical[logical_name])
 
     def names_for_path(self, path: str) -> tuple[str | None, ...] | None:
-        """Logical names that a path rule gives the array at `path`, if any rule matches."""
+        """Logical names that a path rule gives the array at `path`, if any rule matches: the
+        rule matching the longest stretch of the path (see the class docstring)."""
+        found = []
         for pattern, names in self.paths:
-            if re.search(pattern, path):
-                return names
-        return None
+            match = re.search(pattern, path)
+            if match:
+                found.append((match.end() - match.start(), pattern, tuple(names)))
+        if not found:
+            return None
+        longest = max(length for length, _, _ in found)
+        best = {names: pattern for length, pattern, names in found if length == longest}
+        if len(best) > 1:
+            rival = "; ".join(f"{pattern!r} gives {names}" for names, pattern in best.items())
+            raise RuleError(
+                f"{path}: path rules of rule set {self.name!r} match equally long stretches of "
+                f"it and disagree ({rival}). Make one more specific (anchor it, e.g. "
+                f"'(^|/){path.rsplit('/', 1)[-1]}$' or the whole path '^{path}$')."
+            )
+        return next(iter(best))
 
     def mesh_axes(self) -> set[str]:
         """Every mesh axis the rule set refers to."""
@@ -144,6 +181,15 @@ class Rules:
 
     def mesh_shape(self, devices: int) -> tuple[int, ...]:
         """The size of each of `axes` on `devices` devices (see the class docstring)."""
+        if -1 not in self.sizes:
+            if math.prod(self.sizes) != devices:
+                fixed = dict(zip(self.axes, self.sizes, strict=True))
+                raise RuleError(
+                    f"rule set {self.name!r} fixes its mesh at {fixed}"
+                    f" ({math.prod(self.sizes)} devices), and {devices} were asked for: make one "
+                    "size -1 to take the devices the others leave, or use that many devices."
+                )
+            return tuple(self.sizes)
         left, shape = devices, list(self.sizes)
         for i, size in enumerate(self.sizes):
             if size > 0:
@@ -161,6 +207,7 @@ _REPLICATED = {
     "vocab": (),
     "embed": (),
     "heads": (),
+    "kv_heads": (),
     "head_dim": (),
     "mlp": (),
     "length": (),
@@ -182,7 +229,14 @@ dimension, or else its `mlp` or `vocab` dimension; the batch split over `data` t
 
 TP = Rules(
     "TP",
-    {**_REPLICATED, **_ACTIVATIONS, "heads": ("model",), "mlp": ("model",), "vocab": ("model",)},
+    {
+        **_REPLICATED,
+        **_ACTIVATIONS,
+        "heads": ("model",),
+        "kv_heads": ("model",),
+        "mlp": ("model",),
+        "vocab": ("model",),
+    },
     sizes=(-1, 2),
 )
 """Tensor parallelism (Megatron-LM): attention split by heads, the MLP by its hidden units
@@ -195,6 +249,7 @@ FSDP_TP = Rules(
         **_ACTIVATIONS,
         "embed": ("data",),
         "heads": ("model",),
+        "kv_heads": ("model",),
         "mlp": ("model", "data"),
         "vocab": ("model", "data"),
     },
@@ -371,26 +426,102 @@ def auto_fsdp(
     )
 
 
+BATCH_AXES = ("data", "fsdp", "batch", "replica", "dp")
+"""Mesh axis names that `mesh_axis_rules` takes for the batch's when it is not given, first
+found first."""
+
+
 def mesh_axis_rules(
-    axes: tuple[str, ...] = ("data", "model"),
+    axes: tuple[str, ...] | Mesh = ("data", "model"),
     sizes: tuple[int, ...] | None = None,
     *,
-    batch: MeshAxes | None = "data",
+    batch: MeshAxes | str | None = "infer",
 ) -> Rules:
-    """Rules for a model annotated with mesh axis names (as the Flax guide does): each name
-    maps to the mesh axis of that name, `batch` to `batch`; `sizes` default to (-1, 1, ...)."""
+    """Rules for a model annotated with mesh axis names (as Flax's examples do): each name maps
+    to the mesh axis of that name. `axes` is the axis names, or a mesh (its names and sizes);
+    `sizes` default to the mesh's, else (-1, 1, ...). The batch is split over `batch`: by
+    default the first of `BATCH_AXES` the mesh has; None keeps it whole on every device."""
+    if isinstance(axes, Mesh):
+        sizes = sizes or tuple(axes.shape[name] for name in axes.axis_names)
+        axes = tuple(axes.axis_names)
+    axes = tuple(axes)
     sizes = sizes or (-1, *([1] * (len(axes) - 1)))
+    if batch == "infer":
+        batch = next((name for name in BATCH_AXES if name in axes), None)
+        if batch is None:
+            raise RuleError(
+                f"mesh axes {axes}: none is named like a batch axis ({', '.join(BATCH_AXES)}), "
+                f"so say which splits the batch: mesh_axis_rules(..., batch={axes[0]!r}), or "
+                "batch=None to keep every example on every device."
+            )
+    missing = [a for a in (_as_tuple(batch) if batch else ()) if a not in axes]
+    if missing:
+        raise RuleError(
+            f"batch={batch!r} names {missing}, which is not among the mesh axes {axes}: pass "
+            f"batch= one of them (e.g. batch={axes[0]!r}), or batch=None to keep it whole."
+        )
     logical = {axis: (axis,) for axis in axes}
     return Rules(
         f"mesh axes {'/'.join(axes)}",
         {**logical, "batch": (batch,) if batch else ()},
-        axes=tuple(axes),
+        axes=axes,
         sizes=tuple(sizes),
     )
 
 
-def strategy_mesh(rules: Rules, devices: int | None = None) -> Mesh:
-    """The mesh, with Auto axes, that a rule set is meant for (its `axes` and `sizes`).
+def flax_rules(
+    logical_rules: Iterable[tuple[str, MeshAxes | None]],
+    base: Rules | None = None,
+    *,
+    axes: tuple[str, ...] | Mesh | None = None,
+    batch: MeshAxes | str | None = "infer",
+) -> Rules:
+    """A rule set from Flax's logical axis rules (the pairs `nnx.logical_axis_rules` and a
+    variable's `sharding_rules` take): each logical name tries Flax's mesh axes first, then
+    `base`'s candidates for it as fallbacks; `base` (auto-FSDP, strict, ZeRO's roles) keeps
+    the rest. Without `base`, the mesh is `axes` (names or a mesh: default the axes the Flax
+    rules name, in order) and the batch as in `mesh_axis_rules`."""
+    pairs = [(str(name), target) for name, target in logical_rules]
+    if base is None:
+        named = [a for _, t in pairs if t for a in _as_tuple(t)]  # type: ignore[arg-type]
+        base = mesh_axis_rules(axes or tuple(dict.fromkeys(named)), batch=batch)
+        base = base.replace(logical={"batch": base.logical["batch"]})
+    logical = dict(base.logical)
+    for name, target in pairs:
+        if target is None:
+            logical[name] = ()
+        else:
+            first = _as_tuple(target)  # type: ignore[arg-type]
+            rest = (c for c in logical.get(name, ()) if _as_tuple(c) != first)
+            logical[name] = (first, *rest)
+    over = f" over {base.name}" if base.name and not base.name.startswith("mesh axes") else ""
+    return base.replace(name=f"Flax rules{over}", logical=logical)
+
+
+VOCABULARY = {
+    "batch": "examples of a batch (activations' first dimension)",
+    "length": "positions of a sequence inside attention (keys, values, scores)",
+    "residual_length": "positions of a sequence in the residual stream (norms, adds, dropout)",
+    "vocab": "token ids: rows of the embedding table, columns of the output head",
+    "embed": "the model width: the residual stream's features, in and out of every block",
+    "heads": "attention heads of the queries (and of the output projection's input)",
+    "kv_heads": "attention heads of keys and values (fewer than `heads` under grouped-query "
+    "attention: split them only as far as they divide)",
+    "head_dim": "features inside one attention head",
+    "mlp": "the MLP's hidden units (up projection's output, down projection's input)",
+    "layers": "stacked layers of a scanned or pipelined model",
+    "experts": "experts of a mixture-of-experts layer",
+    "groups": "token groups routed to experts together",
+    "rounds": "virtual-stage rounds of an interleaved pipeline",
+}
+"""The logical axis names the book's rule sets give rules for, and what each names. Annotate
+a model with these (or let `nnxscale.naming.propose` suggest them) and every rule set of the
+book places it; names outside this list need a rule of their own."""
+
+
+def strategy_mesh(rules: Rules, devices: int | None = None, *, explicit: bool = False) -> Mesh:
+    """The mesh that a rule set is meant for (its `axes` and `sizes`), with Auto axes unless
+    `explicit` (`nnxscale.mesh.AXIS_TYPES` says which a model needs).
 
     It spans the first `devices` devices (all by default). With an odd count and TP's
     `model` of size 2, `model` has one device: tensor parallelism then splits nothing.
@@ -402,4 +533,4 @@ def strategy_mesh(rules: Rules, devices: int | None = None) -> Mesh:
             f"{available}, or emulate more (NNXSCALE_DEVICES={devices}) and restart."
         )
     pool = jax.devices()[: devices or available]
-    return make_mesh(rules.mesh_shape(len(pool)), rules.axes, devices=pool)
+    return make_mesh(rules.mesh_shape(len(pool)), rules.axes, explicit=explicit, devices=pool)

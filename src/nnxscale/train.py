@@ -21,6 +21,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
@@ -31,6 +32,7 @@ from nnxscale.init import compile_init
 from nnxscale.integrity import new_run
 from nnxscale.layout import Layout, activation_rules, resolve
 from nnxscale.losses import GradsFn, LossFn, next_token_loss
+from nnxscale.mesh import AXIS_TYPES, AxisTypeError, axis_kind, axis_type_error, constrain_to
 from nnxscale.model import TINY, Config, create
 from nnxscale.rules import Rules, strategy_mesh
 from nnxscale.trees import flat, is_key, place
@@ -81,9 +83,9 @@ class TrainState(nnx.Module):
 
 
 def _names(param: nnx.Variable) -> dict[str, Any]:
-    """The parameter's logical names as metadata for its EMA, if it has any."""
-    names = param.get_metadata().get("out_sharding")
-    return {"out_sharding": names} if names else {}
+    """The parameter's logical names (and Flax rules) as metadata for its EMA, if it has any."""
+    metadata = param.get_metadata()
+    return {k: metadata[k] for k in ("out_sharding", "sharding_rules") if metadata.get(k)}
 
 
 def check_model(model: object) -> None:
@@ -197,7 +199,7 @@ def loss_and_grads(
     def place(grads: nnx.State) -> nnx.State:
         if grad_shardings is None:
             return grads
-        return jax.lax.with_sharding_constraint(grads, grad_shardings)
+        return jax.tree.map(constrain_to, grads, grad_shardings)
 
     if micro_batches == 1:
         loss, grads = jax.value_and_grad(loss_of)(params, batch, key)
@@ -288,7 +290,7 @@ def eval_loss(
 def model_config(model: nnx.Module) -> dict[str, Any] | None:
     """A JSON-able record of how `model` was configured: its `cfg` dataclass, if it has one."""
     cfg = getattr(model, "cfg", None)
-    return dataclasses.asdict(cfg) if dataclasses.is_dataclass(cfg) else None
+    return config_record(cfg) if dataclasses.is_dataclass(cfg) else None
 
 
 NONFINITE = ("skip", "raise")
@@ -472,7 +474,10 @@ class Trainer:
         it is not), with its step and evaluations jitted on the layout's shardings; it
         continues `run` (default: a new run)."""
         options = options or TrainOptions()
-        _check_config(config)
+        model = nnx.merge(graphdef, values).model
+        check_loss(options, model)
+        check_axis_type(model, layout.mesh)
+        config = config_record(config)
         shardings, batch = layout.shardings(), layout.batch_sharding
         scalar = NamedSharding(layout.mesh, P())
         step = jax.jit(
@@ -600,7 +605,7 @@ class Trainer:
                 check_same_kind(next(iter(self.programs)), kind)
             rules = self.layout.rules if self.options.activations else None
             with jax.set_mesh(self.layout.mesh), activation_rules(rules, self.layout.mesh):
-                lowered = self.step.lower(self.state, batch)
+                lowered = traced(self.step.lower, self.layout.mesh)(self.state, batch)
                 compiler_options = dict(self.options.compiler_options or {}) or None
                 self.programs[kind] = lowered.compile(compiler_options=compiler_options)
         self.compiled = self.programs[kind]
@@ -699,19 +704,93 @@ def _under_mesh(
 
     def run(*args: Any) -> jax.Array:
         with jax.set_mesh(mesh), activation_rules(rules, mesh):
-            return fn(*args)
+            return traced(fn, mesh)(*args)
 
     return run
 
 
-def _check_config(config: object) -> None:
+def traced(fn: Callable[..., Any], mesh: Mesh) -> Callable[..., Any]:
+    """`fn`, whose errors from a model written for the other kind of mesh axes are raised as
+    `AxisTypeError`s that name the fix (`nnxscale.mesh.axis_type_error`). Tracing comes
+    before the train state is handed to the step, so nothing is lost."""
+
+    def call(*args: Any) -> Any:
+        try:
+            return fn(*args)
+        except Exception as error:
+            better = axis_type_error(error, mesh)
+            if better is None:
+                raise
+            raise better from error
+
+    return call
+
+
+def config_record(config: object) -> dict[str, Any] | None:
+    """The JSON-able record of a model configuration that checkpoints keep: a dict as it is,
+    a dataclass as its fields (dtypes by name), or what its `to_config()` method returns; a
+    restore hands this record to the function that rebuilds the model (its `from_config`)."""
+    if config is None:
+        return None
+    if hasattr(config, "to_config"):
+        record = config.to_config()
+    elif dataclasses.is_dataclass(config) and not isinstance(config, type):
+        record = {f.name: _jsonable(getattr(config, f.name)) for f in dataclasses.fields(config)}
+    else:
+        record = config
     try:
-        json.dumps(config)
-    except TypeError as error:
+        json.loads(json.dumps(record))
+    except (TypeError, ValueError) as error:
         raise TypeError(
             f"the model configuration {config!r} cannot be written as JSON ({error}), and "
-            "checkpoints keep it: pass config= a dict of numbers, strings, lists and dicts."
+            "checkpoints keep it: pass config= a dict of numbers, strings, lists and dicts, "
+            "or a dataclass of them, or give the configuration a to_config() method that "
+            "returns such a dict (and rebuild the model from that dict when restoring)."
         ) from None
+    if not isinstance(record, dict):
+        raise TypeError(f"config={config!r}: expected a dict or a dataclass of settings")
+    return record
+
+
+def _jsonable(value: Any) -> Any:
+    """`value` with dtypes as their names and tuples as lists, nested dataclasses as dicts."""
+    if isinstance(value, np.dtype) or (hasattr(value, "dtype") and not hasattr(value, "shape")):
+        return np.dtype(value).name  # a dtype, or a scalar type such as jnp.float32
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: _jsonable(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, list | tuple):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _jsonable(v) for k, v in value.items()}
+    return value
+
+
+def check_loss(options: TrainOptions, model: nnx.Module) -> None:
+    """Raise a clear error when no loss is given for a model the book's loss cannot train:
+    `next_token_loss` calls the book's Transformer's `loss` and `layer_keys`."""
+    default = options.loss_fn is None and options.grads_fn is None
+    lacks = [name for name in ("loss", "layer_keys") if not hasattr(model, name)]
+    if default and lacks:
+        raise TypeError(
+            f"no loss_fn given, and the default (the book's next-token loss) needs the "
+            f"book's Transformer, whose {' and '.join(lacks)} {type(model).__name__} lacks: pass "
+            "loss_fn=f with f(model, batch, rngs) returning the mean loss (rngs is the "
+            "dropout stream, or None)."
+        )
+
+
+def check_axis_type(model: nnx.Module, mesh: Mesh) -> None:
+    """Raise a clear error when `model` declares the kind of mesh axes it is written for
+    (an `AXIS_TYPE` of "auto" or "explicit", as the book's Transformer does) and `mesh` has
+    the other kind; a model that declares nothing is checked when its step is traced."""
+    declared, kind = getattr(model, "AXIS_TYPE", None), axis_kind(mesh)
+    if declared in AXIS_TYPES and declared != kind:
+        raise AxisTypeError(
+            f"{type(model).__name__} is written for {declared.title()} mesh axes "
+            f"({AXIS_TYPES[declared]}), and mesh {dict(mesh.shape)} has {kind.title()} axes: "
+            f"build it with nx.strategy_mesh(rules, explicit={declared == 'explicit'}) or "
+            f"nx.make_mesh(shape, names, explicit={declared == 'explicit'})."
+        )
 
 
 def check_batch(batch: Any, sharding: NamedSharding, micro_batches: int = 1) -> None:
