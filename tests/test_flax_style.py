@@ -330,6 +330,16 @@ def test_heads_that_do_not_divide_are_listed_and_strict_refuses() -> None:
         nx.resolve(nx.abstract(make(PLAIN)), tp.replace(strict=True), mesh)
 
 
+def test_a_model_asking_for_a_split_the_mesh_cannot_make_is_told_which_arrays() -> None:
+    mesh = explicit_mesh((2, 4))  # 2 key/value heads on tensor = 4
+    rules = nx.mesh_axis_rules(mesh)
+    trainer = nx.Trainer.create(make(), nx.adamw(), rules, mesh, loss_fn=lm_loss)
+    assert {"model/blocks/0/k", "model/blocks/0/v"} <= {p.path for p in trainer.layout.unsplit()}
+    with pytest.raises(ValueError, match=r"cannot make.*model/blocks/0/k \(32, 2, 8\)"):
+        trainer.train(batches, 1)
+    trainer.check_state()
+
+
 def test_rules_that_split_nothing_of_a_model_say_so() -> None:
     with pytest.warns(nx.layout.ReplicationWarning, match="no logical names"):
         layout = nx.resolve(nx.abstract(make(PLAIN)), nx.TP, nx.strategy_mesh(nx.TP))

@@ -169,9 +169,9 @@ def test_foreign_models_train_like_one_device(make, rules, loss_fn) -> None:
     assert losses[8][-1] < losses[8][0]
     ulp = float(np.spacing(np.float32(losses[1][0])))
     assert max(abs(a - b) for a, b in zip(losses[8], losses[1], strict=True)) <= 16 * ulp
-    params = [nnx.state(t.model(), nnx.Param) for t in runs.values()]
-    assert nx.trees.largest_difference(*params) <= nx.train.LEARNING_RATE / 50
     assert runs[8].layout.bytes_per_device() < runs[1].layout.bytes_per_device()
+    # the weights: after SGD, where a gap in them is a gap in the gradients
+    nx.agreement(make, rules, nx.strategy_mesh(rules), batches, loss_fn=loss_fn).check()
 
 
 def test_a_concrete_module_is_placed_and_trained() -> None:

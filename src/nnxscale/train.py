@@ -605,7 +605,7 @@ class Trainer:
                 check_same_kind(next(iter(self.programs)), kind)
             rules = self.layout.rules if self.options.activations else None
             with jax.set_mesh(self.layout.mesh), activation_rules(rules, self.layout.mesh):
-                lowered = traced(self.step.lower, self.layout.mesh)(self.state, batch)
+                lowered = traced(self.step.lower, self.layout.mesh, self.layout)(self.state, batch)
                 compiler_options = dict(self.options.compiler_options or {}) or None
                 self.programs[kind] = lowered.compile(compiler_options=compiler_options)
         self.compiled = self.programs[kind]
@@ -709,16 +709,26 @@ def _under_mesh(
     return run
 
 
-def traced(fn: Callable[..., Any], mesh: Mesh) -> Callable[..., Any]:
+def traced(fn: Callable[..., Any], mesh: Mesh, layout: Layout | None = None) -> Callable[..., Any]:
     """`fn`, whose errors from a model written for the other kind of mesh axes are raised as
-    `AxisTypeError`s that name the fix (`nnxscale.mesh.axis_type_error`). Tracing comes
-    before the train state is handed to the step, so nothing is lost."""
+    `AxisTypeError`s that name the fix (`nnxscale.mesh.axis_type_error`), and whose errors
+    from a split the mesh cannot make name the arrays the rules kept whole for that reason.
+    Tracing comes before the train state is handed to the step, so nothing is lost."""
 
     def call(*args: Any) -> Any:
         try:
             return fn(*args)
         except Exception as error:
             better = axis_type_error(error, mesh)
+            short = layout.unsplit() if layout is not None else []
+            if better is None and short and "evenly divide" in str(error):
+                listed = "; ".join(f"{p.path} {p.shape}: {p.reason}" for p in short[:4])
+                better = ValueError(
+                    f"the model asks for a split that mesh {dict(mesh.shape)} cannot make "
+                    f"(JAX said: {str(error).splitlines()[0]}). The rule set kept these "
+                    f"arrays whole for the same reason: {listed}. Use a mesh whose axes "
+                    "divide those dimensions, or let the model not ask for that split."
+                )
             if better is None:
                 raise
             raise better from error
