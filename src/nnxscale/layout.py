@@ -85,11 +85,12 @@ def _place_logical(
         pick, skipped = None, []
         for axes in rules.candidates(name, path, flax):
             if not set(axes) <= set(mesh.axis_names):
+                whose = "Flax's logical rules (nnx.logical_axis_rules or the variable's "
+                whose += "sharding_rules)" if flax and name in flax else f"rule set {rules.name!r}"
                 raise RuleError(
-                    f"{path}: Flax's logical rules map {name!r} to mesh axes {axes}, and the "
-                    f"mesh {dict(mesh.shape)} lacks {sorted(set(axes) - set(mesh.axis_names))}:"
-                    " change the rule (nnx.logical_axis_rules or the variable's sharding_rules)"
-                    " or add the axis to the mesh."
+                    f"{path}: {whose} map {name!r} to mesh axes {axes}, and the mesh "
+                    f"{dict(mesh.shape)} lacks {sorted(set(axes) - set(mesh.axis_names))}: "
+                    "change the rule or add the axis to the mesh."
                 )
             if used & set(axes):
                 skipped.append(f"{'+'.join(axes)} already splits another dimension")
@@ -308,6 +309,8 @@ def resolve(
 
     Logical names come from a matching path rule, else the variable's `out_sharding`
     annotation; arrays with neither are replicated, or split by the automatic FSDP rule.
+    Flax's logical rules (the variable's `sharding_rules`, and `nnx.logical_axis_rules` if
+    active while this runs: enter it again around a restore) are tried before `rules`'.
     Arrays whose role (`role`, else `nnxscale.rules.role_of(path)`) is in `rules.whole` stay
     whole.
     Arrays of at least `warn_bytes` that the rules could not split raise a

@@ -15,7 +15,7 @@ AXIS_TYPES = {
     "explicit": "every array's sharding is part of its type and each operation's follows "
     "from its inputs' by fixed rules; a model passes `out_sharding=` (or calls "
     "`jax.sharding.reshard`) where they leave a choice, such as a matmul between arrays "
-    "split over the same axis",
+    "split over the same axis; `with_sharding_constraint` becomes an assert",
 }
 """The two kinds of mesh axes the library places arrays on, and what each asks of a model."""
 
@@ -41,9 +41,9 @@ def make_mesh(
     Which type a model needs depends on how it is written (`AXIS_TYPES`): Auto for a model
     that leaves placement to the compiler (the book's Transformer, `with_sharding_constraint`,
     any unannotated model); Explicit for one that says where its operations' outputs go
-    (`out_sharding=`, `jax.sharding.reshard`), as current Flax examples do. The library's
-    rule sets, initialisation, trainer and checkpoints work on both. `jax.make_mesh` itself
-    defaults to Explicit axes.
+    (`out_sharding=`, `jax.sharding.reshard`), in the explicit-sharding style of JAX's
+    guide. The library's rule sets, placement, initialisation, trainer and checkpoints work
+    on both. `jax.make_mesh` itself defaults to Explicit axes.
     """
     shape, names = tuple(shape), tuple(names)
     if len(shape) != len(names):
@@ -102,6 +102,13 @@ def axis_type_error(error: Exception, mesh: Mesh) -> AxisTypeError | None:
             f"on Explicit axes only, and mesh {dict(mesh.shape)} has Auto axes. Build the mesh "
             "with explicit=True: nx.strategy_mesh(rules, explicit=True) or nx.make_mesh(shape, "
             f"names, explicit=True). (JAX said: {first})"
+        )
+    if "acts as an assert when all axes of mesh are of type `Explicit`" in text:
+        return AxisTypeError(
+            f"the model constrains an array with with_sharding_constraint, which JAX takes as "
+            f"an assert on Explicit axes, and mesh {dict(mesh.shape)} has Explicit axes: build "
+            "it with Auto axes (nx.strategy_mesh(rules) or nx.make_mesh(shape, names)), or "
+            f"use jax.sharding.reshard in the model. (JAX said: {first})"
         )
     if "ShardingTypeError" in text and axis_kind(mesh) == "explicit":
         return AxisTypeError(

@@ -5,8 +5,8 @@ vocabulary (`nnxscale.rules.VOCABULARY`). `propose(model)` reads each parameter'
 shape, recognises the usual roles (embeddings, attention's query, key, value and output
 projections, the MLP's up and down projections, the output head, norms and biases), and
 returns a table for the reader to check. `Proposal.edit` corrects a row; `Proposal.rules`
-turns the table into path rules (one per array, matching its whole path, so no two rules
-match the same array) on top of any rule set.
+turns the table into path rules (one per array, matching its whole path) beside any rule
+set's own.
 """
 
 from __future__ import annotations
@@ -20,23 +20,23 @@ from typing import Any
 from flax import nnx
 
 from nnxscale.init import abstract
-from nnxscale.rules import VOCABULARY, RuleError, Rules
+from nnxscale.rules import RuleError, Rules
 from nnxscale.show import Markdown, table
 from nnxscale.trees import flat
 
 Names = tuple[str | None, ...]
 
 _ROLES: tuple[tuple[str, str], ...] = (
-    ("norm", r"norm|ln|layernorm|rmsnorm|scale$"),
-    ("query", r"(^|[/_])(q|query|wq|q_proj)($|[/_])"),
-    ("key", r"(^|[/_])(k|key|wk|k_proj)($|[/_])"),
-    ("value", r"(^|[/_])(v|value|wv|v_proj)($|[/_])"),
-    ("key-value", r"(^|[/_])(kv|wkv|kv_proj)($|[/_])"),
-    ("attention out", r"(^|[/_])(o|out|wo|o_proj|out_proj)($|[/_])|attn.*(out|proj)"),
-    ("mlp up", r"up|gate|wi|fc1|w1|w3|c_fc|dense_in|hidden"),
-    ("mlp down", r"down|fc2|w2|c_proj|dense_out"),
-    ("embedding", r"embed|wte|tok|token"),
-    ("output head", r"head|unembed|lm_head|logits|output"),
+    ("norm", r"norm|(^|/)ln|scale$"),
+    ("query", r"(^|[/_])(q|query|wq|q_proj|q_einsum)($|/)"),
+    ("key", r"(^|[/_])(k|key|wk|k_proj)($|/)"),
+    ("value", r"(^|[/_])(v|value|wv|v_proj)($|/)"),
+    ("key-value", r"(^|[/_])(kv|wkv|kv_proj|kv_einsum)($|/)"),
+    ("attention out", r"(^|[/_])(o|wo|o_proj|out_proj|attn_out|attn_vec_einsum)($|/)"),
+    ("mlp up", r"(^|[/_])(up|gate|wi|wi_0|wi_1|fc1|w1|w3|c_fc|up_proj|gate_proj)($|/)"),
+    ("mlp down", r"(^|[/_])(down|fc2|w2|c_proj|down_proj)($|/)"),
+    ("embedding", r"(^|[/_])(embed|embedding|wte|tok_embed|token_embed|tok_embeddings)($|/)"),
+    ("output head", r"(^|[/_])(head|lm_head|unembed)($|/)"),
 )
 """Roles recognised from a parameter's path, tried in this order (a norm inside an attention
 block is a norm, not the attention's query)."""
@@ -63,33 +63,34 @@ def _role(path: str) -> str:
     return "unknown"
 
 
+_HEADS = {"query": "heads", "key": "kv_heads", "value": "kv_heads", "key-value": "kv_heads"}
+
+
 def _names_for(role: str, shape: tuple[int, ...], width: int, vocab: int | None) -> Names:
-    """Logical names for a parameter of `role` and `shape`, given the model's width."""
-    rank = len(shape)
-
-    def named(size: int, default: str | None) -> str | None:
-        if size == width:
-            return "embed"
-        if vocab is not None and size == vocab:
-            return "vocab"
-        return default
-
-    if role in ("norm", "bias") or rank == 1:
-        return (named(shape[0], None),) if rank == 1 else (None,) * rank
-    if role in ("query", "key", "value", "key-value") and rank in (3, 4):
-        head_name = "heads" if role == "query" else "kv_heads"
-        return (*((None,) * (rank - 3)), "embed", head_name, "head_dim")
-    if role in ("query", "key", "value", "key-value") and rank == 2:
-        return ("embed", "heads" if role == "query" else "kv_heads")
-    if role == "attention out" and rank == 3:
-        return ("heads", "head_dim", "embed")
-    if role == "attention out" and rank == 2:
-        return ("heads", "embed")
-    if role == "mlp up" and rank == 2:
-        return ("embed", "mlp")
-    if role == "mlp down" and rank == 2:
-        return ("mlp", "embed")
-    return tuple(named(size, None) for size in shape)
+    """Logical names for a parameter of `role` and `shape`: the dimension of the model's
+    width is `embed`; the others follow from the role, in order (for attention, the last two
+    are heads and head_dim, any before them stay unnamed); None where nothing fits."""
+    names: list[str | None] = [None] * len(shape)
+    rest = list(range(len(shape)))
+    if width in shape:
+        at = shape.index(width)
+        names[at] = "embed"
+        rest.remove(at)
+    if role in ("norm", "bias") or len(shape) == 1 or "embed" not in names:
+        return tuple(names)
+    if role in _HEADS and len(rest) == 1:  # fused heads: (width, heads * head_dim)
+        names[rest[0]] = _HEADS[role]
+    elif role in _HEADS or role == "attention out":
+        if len(rest) >= 2:
+            names[rest[-2]] = _HEADS.get(role, "heads")
+            names[rest[-1]] = "head_dim"
+        elif rest:
+            names[rest[0]] = "heads"
+    elif role in ("mlp up", "mlp down") and len(rest) == 1:
+        names[rest[0]] = "mlp"
+    elif role in ("embedding", "output head") and len(rest) == 1:
+        names[rest[0]] = "vocab" if shape[rest[0]] == vocab else None
+    return tuple(names)
 
 
 class Proposal:
@@ -104,7 +105,8 @@ class Proposal:
         return {row.path: row.names for row in self.rows}
 
     def edit(self, path: str, names: Names) -> Proposal:
-        """A copy with the names of the parameter at `path` replaced by `names`."""
+        """A copy with the names of the parameter at `path` replaced by `names` (any names:
+        `rules` checks that the rule set knows them)."""
         if path not in self.names():
             raise KeyError(f"no parameter at {path!r}; the paths are {list(self.names())}")
         rows = [
@@ -117,20 +119,23 @@ class Proposal:
     def paths(self) -> tuple[tuple[str, Names], ...]:
         """Path rules, one per parameter, each matching its whole path at the end of a path
         (`(^|/)...$`): the parameter itself, and its copies in a train state (`model/...`,
-        `ema/...`, the optimizer's moments)."""
+        `ema/...`, the optimizer's moments). Where one parameter's path ends another's
+        (`norm/scale`, `blocks/0/norm/scale`), the longer match wins (`Rules`)."""
         return tuple((f"(^|/){re.escape(row.path)}$", row.names) for row in self.rows)
 
     def rules(self, base: Rules) -> Rules:
-        """`base` with these names as its path rules (they override annotations); a name
-        `base` has no rule for is refused here, naming the array."""
-        unknown = sorted({n for row in self.rows for n in row.names if n} - set(base.logical))
+        """`base` with these names as path rules beside its own (they override annotations);
+        a name `base` has no rule for is refused here, naming the arrays."""
+        known = set(base.logical)
+        unknown = {row.path: n for row in self.rows for n in row.names if n and n not in known}
         if unknown:
             raise RuleError(
-                f"rule set {base.name!r} has no rule for {unknown}, which the proposal uses: "
-                f"edit those arrays' names (known: {', '.join(sorted(base.logical))}) or add "
-                "rules for them."
+                f"rule set {base.name!r} has no rule for the names {sorted(set(unknown.values()))}"
+                f" the proposal gives {sorted(unknown)}: edit them (the rule set knows "
+                f"{', '.join(sorted(known))}) or add rules for them to it."
             )
-        return base.replace(name=f"{base.name} by proposed names", paths=self.paths())
+        paths = self.paths() + tuple(base.paths)
+        return base.replace(name=f"{base.name} by proposed names", paths=paths)
 
     def _repr_markdown_(self) -> str:
         return str(self.table())
@@ -151,18 +156,13 @@ def _check_rank(rows: list[Row]) -> None:
                 f"{row.path}: {len(row.names)} names {row.names} for shape {row.shape}; give "
                 "one name (or None) per dimension."
             )
-        unknown = [n for n in row.names if n and n not in VOCABULARY]
-        if unknown:
-            raise RuleError(
-                f"{row.path}: {unknown} are not in the library's vocabulary "
-                f"({', '.join(VOCABULARY)}); use those, or add a rule for them to your set."
-            )
 
 
 def propose(model: nnx.Module | Callable[[], nnx.Module]) -> Proposal:
-    """Logical names for every `nnx.Param` of `model` (a module, or a function that creates
-    one, which is traced abstractly), from its path and shape. The model's width is its most
-    common parameter dimension; a vocabulary is the other dimension of an embedding."""
+    """Logical names (`nnxscale.rules.VOCABULARY`) for every `nnx.Param` of `model` (a
+    module, or a function that creates one, traced abstractly), from its path and shape. The
+    model's width is its most common parameter dimension; the vocabulary is the largest other
+    dimension of an embedding or output head (a position table is shorter than it)."""
     module = abstract(model) if callable(model) and not isinstance(model, nnx.Module) else model
     params: list[tuple[str, Any]] = flat(nnx.state(module, nnx.Param))
     shapes = {path: tuple(int(d) for d in x.shape) for path, x in params}
@@ -170,8 +170,8 @@ def propose(model: nnx.Module | Callable[[], nnx.Module]) -> Proposal:
     if not counts:
         raise ValueError("the model has no parameter of two or more dimensions to name")
     width = counts.most_common(1)[0][0]
-    embeddings = [s for p, s in shapes.items() if _role(p) == "embedding" and len(s) == 2]
-    vocab = next((d for s in embeddings for d in s if d != width), None)
+    tables = [s for p, s in shapes.items() if _role(p) in ("embedding", "output head")]
+    vocab = max((d for s in tables if len(s) == 2 for d in s if d != width), default=None)
     rows = [Row(p, s, _role(p), _names_for(_role(p), s, width, vocab)) for p, s in shapes.items()]
     _check_rank(rows)
     return Proposal(rows)

@@ -445,6 +445,8 @@ def mesh_axis_rules(
         sizes = sizes or tuple(axes.shape[name] for name in axes.axis_names)
         axes = tuple(axes.axis_names)
     axes = tuple(axes)
+    if not axes:
+        raise RuleError("no mesh axes given: pass their names, or a mesh")
     sizes = sizes or (-1, *([1] * (len(axes) - 1)))
     if batch == "infer":
         batch = next((name for name in BATCH_AXES if name in axes), None)
@@ -479,21 +481,25 @@ def flax_rules(
     """A rule set from Flax's logical axis rules (the pairs `nnx.logical_axis_rules` and a
     variable's `sharding_rules` take): each logical name tries Flax's mesh axes first, then
     `base`'s candidates for it as fallbacks; `base` (auto-FSDP, strict, ZeRO's roles) keeps
-    the rest. Without `base`, the mesh is `axes` (names or a mesh: default the axes the Flax
-    rules name, in order) and the batch as in `mesh_axis_rules`."""
+    the rest. Without `base`, the mesh is `axes` (names or a mesh, whose sizes it then keeps;
+    default the axes the Flax rules name, in order, sized as `mesh_axis_rules` sizes them)
+    and the batch as in `mesh_axis_rules`."""
     pairs = [(str(name), target) for name, target in logical_rules]
     if base is None:
         named = [a for _, t in pairs if t for a in _as_tuple(t)]  # type: ignore[arg-type]
         base = mesh_axis_rules(axes or tuple(dict.fromkeys(named)), batch=batch)
         base = base.replace(logical={"batch": base.logical["batch"]})
+    targets: dict[str, list[tuple[str, ...] | None]] = {}
+    for name, target in pairs:  # Flax tries a name's rules in the order given
+        targets.setdefault(name, []).append(None if target is None else _as_tuple(target))
     logical = dict(base.logical)
-    for name, target in pairs:
-        if target is None:
-            logical[name] = ()
-        else:
-            first = _as_tuple(target)  # type: ignore[arg-type]
-            rest = (c for c in logical.get(name, ()) if _as_tuple(c) != first)
-            logical[name] = (first, *rest)
+    for name, tried in targets.items():
+        if None in tried:  # replicate: the rules before it are still tried first
+            tried = tried[: tried.index(None)]
+            logical[name] = tuple(tried)
+            continue
+        rest = [c for c in logical.get(name, ()) if _as_tuple(c) not in tried]
+        logical[name] = (*tried, *rest)
     over = f" over {base.name}" if base.name and not base.name.startswith("mesh axes") else ""
     return base.replace(name=f"Flax rules{over}", logical=logical)
 

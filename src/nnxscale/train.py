@@ -720,7 +720,7 @@ def traced(fn: Callable[..., Any], mesh: Mesh, layout: Layout | None = None) -> 
             return fn(*args)
         except Exception as error:
             better = axis_type_error(error, mesh)
-            short = layout.unsplit() if layout is not None else []
+            short = [p for p in layout.unsplit() if p.fallback] if layout is not None else []
             if better is None and short and "evenly divide" in str(error):
                 listed = "; ".join(f"{p.path} {p.shape}: {p.reason}" for p in short[:4])
                 better = ValueError(
@@ -747,7 +747,7 @@ def config_record(config: object) -> dict[str, Any] | None:
     elif dataclasses.is_dataclass(config) and not isinstance(config, type):
         record = {f.name: _jsonable(getattr(config, f.name)) for f in dataclasses.fields(config)}
     else:
-        record = config
+        record = _jsonable(config)
     try:
         json.loads(json.dumps(record))
     except (TypeError, ValueError) as error:
@@ -763,9 +763,16 @@ def config_record(config: object) -> dict[str, Any] | None:
 
 
 def _jsonable(value: Any) -> Any:
-    """`value` with dtypes as their names and tuples as lists, nested dataclasses as dicts."""
-    if isinstance(value, np.dtype) or (hasattr(value, "dtype") and not hasattr(value, "shape")):
-        return np.dtype(value).name  # a dtype, or a scalar type such as jnp.float32
+    """`value` with dtypes and scalar types (np.float32, jnp.bfloat16) as their names, NumPy
+    scalars as numbers, tuples as lists and nested dataclasses as dicts: a restore hands the
+    factory these JSON values, so it turns names back into types itself."""
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, np.dtype | type) or hasattr(value, "dtype"):
+        try:
+            return np.dtype(value).name
+        except TypeError:
+            return value
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         return {f.name: _jsonable(getattr(value, f.name)) for f in dataclasses.fields(value)}
     if isinstance(value, list | tuple):
