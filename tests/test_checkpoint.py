@@ -24,6 +24,7 @@ from nnxscale.checkpoint import (
     NoCheckpointError,
     check_matches,
     checksums,
+    chunks_read,
     file_role,
     record_from,
     sealed,
@@ -33,6 +34,7 @@ from nnxscale.init import abstract
 from nnxscale.integrity import seal
 from nnxscale.layout import Layout, resolve
 from nnxscale.losses import next_token_loss
+from nnxscale.mesh import make_mesh
 from nnxscale.model import TINY, Config, Transformer, create
 from nnxscale.rules import DP, FSDP, TP, strategy_mesh
 from nnxscale.schedules import interleaved
@@ -286,8 +288,15 @@ def test_a_save_killed_mid_write_loses_only_the_steps_since_the_last(tmp_path: P
 
 
 def test_resume_from_the_command_line_after_a_crash(tmp_path: Path) -> None:
+    """The killed run compiled with the compiler options it was given; its checkpoints record
+    them, so the run resumed from the command line compiles the same step and redoes the lost
+    steps bit for bit."""
     directory = tmp_path / "crash"
-    crash = cli.crash_during_save(directory, steps=4, save_every=2, devices=4, batch_size=8)
+    crash = cli.crash_during_save(
+        directory, steps=4, save_every=2, devices=4, batch_size=8, compiler_options=FAST_COMPILE
+    )
+    record = Checkpoints(directory, create=False).record()
+    assert record.options["compiler_options"] == FAST_COMPILE
     out = cli.run("train", str(directory), "--steps", "4", "--save-every", "2",
                   "--batch-size", "8", devices=4)  # fmt: skip
     assert [e.step for e in events.read(out, events.Resumed)] == [2]
@@ -382,3 +391,31 @@ def test_a_restored_run_compiles_the_program_that_saved_it(tmp_path: Path) -> No
             Transformer.from_config, adamw(), FSDP, mesh, loss_fn=next_token_loss
         )
     assert again.options == own.options
+
+
+def test_a_restore_reads_every_chunk_a_shard_overlaps() -> None:
+    """A chunk is read whole: a shard cut across the saved chunks reads a piece of each, one
+    that the chunks tile reads its own."""
+    mesh = make_mesh((4, 2), ("data", "model"))
+
+    def placed(shape, *spec):
+        sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*spec))
+        return jax.ShapeDtypeStruct(shape, np.float32, sharding=sharding)
+
+    columns = placed((64, 256), None, "model")  # device 0: all rows, columns 0-127
+    assert chunks_read((8, 256), columns) == [(row, 0) for row in range(8)]
+    assert chunks_read((8, 128), columns, device=1) == [(row, 1) for row in range(8)]
+    rows = placed((64, 256), "data", None)  # device 0: rows 0-15
+    assert chunks_read((8, 256), rows) == [(0, 0), (1, 0)]
+    assert chunks_read((64, 256), rows, device=7) == [(0, 0)]  # one chunk holds it all
+    assert chunks_read((), placed(())) == [()]
+    with pytest.raises(ValueError, match="differ in dimensions"):
+        chunks_read((8,), rows)
+    two = make_mesh((2,), ("data",), devices=jax.devices()[:2])
+    held = jax.ShapeDtypeStruct(
+        (4,),
+        np.float32,
+        sharding=jax.sharding.NamedSharding(two, jax.sharding.PartitionSpec("data")),
+    )
+    with pytest.raises(ValueError, match="holds no shard"):
+        chunks_read((2,), held, device=5)

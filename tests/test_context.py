@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from functools import partial
 
 import jax
@@ -201,6 +202,19 @@ def test_zigzag_gives_every_device_the_same_causal_work() -> None:
     assert len(set(context.Ring("context", 8).causal_work(64))) == 1
     contiguous = context.Ring("context", 8, "contiguous").causal_work(64)
     assert contiguous == sorted(contiguous) and contiguous[-1] > 10 * contiguous[0]
+
+
+@pytest.mark.parametrize("devices", [2, 3, 4])
+def test_the_ring_hops_as_its_permutation_says(devices) -> None:
+    """Device d holds d - t's shard at step t, and the compiled kernel's permutes send
+    exactly the ring's pairs: what the chapter's picture draws is what runs."""
+    ring = context.Ring("context", devices)
+    held = [ring.holding(t) for t in range(devices + 1)]
+    assert held == [[(d - t) % devices for d in range(devices)] for t in range(devices + 1)]
+    text = context.compiled_attention(devices, 8 * devices, grad=False).as_text()
+    pairs = re.findall(r"source_target_pairs=\{(\{[\d,{}]*\})\}", text)
+    sent = {tuple(tuple(map(int, p)) for p in re.findall(r"\{(\d+),(\d+)\}", ps)) for ps in pairs}
+    assert sent == {tuple(ring.permutation())}
 
 
 def test_layout_round_trip() -> None:

@@ -527,3 +527,15 @@ def test_a_mixture_is_priced_without_tensor_context_or_pipeline_axes() -> None:
     assert costs.unsuitable(MIXTURE.replace(experts=6), setup, 8, 32).startswith(
         "the expert axis (8) does not divide experts (6)"
     )
+
+
+def test_the_ledger_holds_the_four_parts_of_the_state_and_the_step() -> None:
+    setup = costs.Setup.of(STRATEGIES["FSDP"], {"data": 8}, 1, "full")
+    parts = costs.ledger(costs.SEVEN_B, setup, 8, 4096)
+    step = costs.step_cost(costs.SEVEN_B, setup, H100, 8, 4096)
+    assert tuple(parts) == costs.LEDGER_PARTS
+    assert parts["parameters"] + parts["optimizer state"] == step.state
+    assert parts["gradients"] == costs.STATE_BYTES * costs.counts(costs.SEVEN_B).total / 8
+    assert parts["optimizer state"] == costs.OPTIMIZER_COPIES * parts["gradients"]
+    # what the backward pass keeps and remat rebuilds: part of the working memory, not all
+    assert 0 < parts["activations"] < step.memory["working memory"]

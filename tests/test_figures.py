@@ -10,14 +10,18 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from nnxscale.context import Ring
 from nnxscale.events import Start
 from nnxscale.figures import (
     SUM,
     block_sources,
     plot_bubbles,
     plot_collectives,
+    plot_dispatch,
     plot_fsdp_timeline,
     plot_mesh,
+    plot_restore,
+    plot_ring,
     plot_saves,
     plot_sharding,
     plot_shardings,
@@ -28,6 +32,9 @@ from nnxscale.figures import (
     shard_blocks,
 )
 from nnxscale.mesh import make_mesh
+from nnxscale.model import TINY
+from nnxscale.moe import route_groups
+from nnxscale.rules import FSDP, TP
 from nnxscale.schedules import (
     bubble_formula,
     gpipe,
@@ -212,3 +219,239 @@ def test_saves_are_drawn_against_the_steps_they_overlap() -> None:
     widths = sorted(round(p.get_width(), 6) for p in ax.patches if p.get_width() > 0)
     assert widths == [5.0, 10.0, 10.0, 10.0, 10.0, 15.0]  # 3 steps, 2 waits, 1 write, in ms
     assert [t.get_text() for t in ax.texts] == ["1", "2", "3", "step 1"]
+
+
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+def test_the_ring_is_drawn_from_its_own_hops(layout) -> None:
+    ring = Ring("context", 4, layout)
+    per = len(ring.chunks()) // 4
+    ax = plot_ring(ring).axes[0]
+    chunks = np.array(ring.chunks()).reshape(4, -1)
+    labels = [t.get_text() for t in ax.texts if t.get_text().startswith("K/V")]
+    expected = [
+        "K/V " + ",".join(map(str, chunks[(d - t) % 4])) for t in range(4) for d in range(4)
+    ]
+    assert labels == expected  # device d holds d - t's shard at step t
+    arrows = [t for t in ax.texts if isinstance(t, matplotlib.text.Annotation)]
+    assert len(arrows) == 3 * len(ring.permutation())
+    squares = ax.patches[4:]  # after one box of queries per device
+    assert len(squares) == 16 * per * per
+    pairs = [
+        (q, k) for d in range(4) for t in range(4) for q in chunks[d] for k in chunks[(d - t) % 4]
+    ]
+    needed = sum(q >= k for q, k in pairs)
+    filled = [p for p in squares if p.get_facecolor()[:3] != (1.0, 1.0, 1.0)]
+    assert len(filled) == needed
+    matplotlib.pyplot.close("all")
+
+
+def test_the_dispatch_is_drawn_from_the_routing() -> None:
+    logits = jnp.array([[[3.0, 0, 0, 0]] * 3 + [[0, 0, 0, 3.0]], [[0, 3.0, 0, 0]] * 4])
+    routing = route_groups(logits, top_k=1, slots=2)  # 2 groups of 4 tokens, 4 experts
+    fig = plot_dispatch(routing, devices=2)
+    left, right = fig.axes
+    assert len(left.patches) == 2 * 4 * 2  # each token and its one choice
+    hatched = [p for p in left.patches if p.get_hatch()]
+    assert len(hatched) == int((routing.wanted - routing.kept).sum()) == 1 + 2
+    assert len(right.patches) == 4 * 2 * 2  # each expert's slots for each group
+    filled = sorted(t.get_text() for t in right.texts)
+    assert filled == ["t0", "t0", "t1", "t1", "t3"]  # e0: t0, t1; e3: t3; e1: t0, t1
+    with pytest.raises(ValueError, match="one group of tokens per device"):
+        plot_dispatch(routing, devices=4)
+    matplotlib.pyplot.close("all")
+
+
+def test_the_ledger_draws_four_parts_per_setup_from_the_cost_model() -> None:
+    from nnxscale import costs
+    from nnxscale.figures import plot_ledger
+    from nnxscale.rules import STRATEGIES
+
+    on = {"data": 8}
+    setups = {n: costs.Setup.of(STRATEGIES[n], on, 1, "full") for n in ("DP", "ZeRO-2", "FSDP")}
+    fig = plot_ledger(costs.SEVEN_B, "H100", setups, batch=8, seq=4096)
+    (ax,) = fig.axes
+    bars = [p.get_width() for p in ax.patches]
+    assert len(bars) == len(costs.LEDGER_PARTS) * len(setups)
+    for i, setup in enumerate(setups.values()):
+        parts = costs.ledger(costs.SEVEN_B, setup, 8, 4096)
+        expected = [parts[p] / 1e9 for p in costs.LEDGER_PARTS]
+        assert bars[4 * i : 4 * i + 4] == pytest.approx(expected)
+    assert [t.get_text() for t in ax.get_yticklabels()] == list(setups)
+
+
+def test_an_n_dimensional_layout_is_drawn_as_a_matrix_of_whole_shards(mesh) -> None:
+    from nnxscale.figures import matrix_view, plot_layouts
+    from nnxscale.init import abstract
+    from nnxscale.layout import resolve
+    from nnxscale.model import TINY, create
+    from nnxscale.rules import TP
+
+    layout = resolve(abstract(lambda: create(TINY)), TP, mesh)
+    query = layout.array_at("blocks/0/attention/query")  # (embed, heads, head_dim)
+    view = matrix_view(query)
+    assert view.shape == (64, 64) and view.sharding.spec == P(None, "model")
+    out = matrix_view(layout.array_at("blocks/0/attention/out"))  # (heads, head_dim, embed)
+    assert out.shape == (64, 64) and out.sharding.spec == P("model", None)
+    assert len(shard_blocks(view)) == 2  # each half of the heads held by four devices
+    paths = ["blocks/0/attention/query", "blocks/0/mlp/up"]
+    fig = plot_layouts({"TP": layout, "again": layout}, paths)
+    assert len(fig.axes) == 4
+    with pytest.raises(ValueError, match="one block"):
+        matrix_view(put(mesh, P(None, "data", None, "model"), (2, 4, 2, 2)))
+
+
+def test_an_array_is_drawn_beside_its_mesh_in_the_same_colours(mesh) -> None:
+    from nnxscale.figures import plot_on_mesh
+
+    fig = plot_on_mesh(put(mesh, P("data", "model")))
+    grid, blocks = fig.axes
+    assert sorted(box[4] for box in drawn(grid)) == [str(d) for d in range(8)]
+    assert sorted(box[4] for box in drawn(blocks)) == [str(d) for d in range(8)]
+    colour = {
+        t.get_text(): p.get_facecolor() for t, p in zip(grid.texts, grid.patches, strict=True)
+    }
+    for text, patch in zip(blocks.texts, blocks.patches, strict=True):
+        assert patch.get_facecolor() == colour[text.get_text()]  # device d: one colour
+    assert "P('data', 'model')" in blocks.get_title()
+
+
+def test_ring_costs_draw_the_formulas_and_the_counted_points() -> None:
+    from nnxscale.figures import plot_ring_costs
+
+    ax = plot_ring_costs({"all-gather": (8, 7 / 8), "all-reduce": (8, 14 / 8)}, 16).axes[0]
+    formulas, dots = ax.get_lines()[:2], ax.get_lines()[2:]
+    assert [line.get_ydata()[-1] for line in formulas] == [15 / 16, 30 / 16]  # at N = 16
+    assert [(d.get_xdata()[0], d.get_ydata()[0]) for d in dots] == [(8, 7 / 8), (8, 14 / 8)]
+
+
+def test_rule_sets_cut_one_weight_on_their_own_meshes() -> None:
+    from flax import nnx
+
+    from nnxscale.figures import plot_rule_sets
+    from nnxscale.init import abstract
+    from nnxscale.model import TINY, create
+    from nnxscale.rules import FSDP, TP
+
+    shapes = abstract(lambda: create(TINY))
+    fig = plot_rule_sets(shapes, {"FSDP": FSDP, "TP": TP}, "blocks/0/mlp/up")
+    fsdp, tp = fig.axes
+    assert len(drawn(fsdp)) == 8 and len(drawn(tp)) == 2  # rows over 8; columns over 2
+    assert "data 8" in fsdp.get_title() and "model 2" in tp.get_title()
+    state = nnx.state(shapes, nnx.Param)  # a State draws as the module does
+    assert len(plot_rule_sets(state, {"TP": TP}, "blocks/0/attention/query").axes) == 1
+
+
+def test_shares_are_bars_per_rule_set_and_mesh_against_the_ideal() -> None:
+    from nnxscale.figures import plot_shares
+
+    shares = {("DP", 1): 1.0, ("FSDP", 1): 0.125, ("DP", 2): 1.0, ("FSDP", 2): 0.25}
+    ax = plot_shares(shares, 8).axes[0]
+    heights = sorted(round(p.get_height(), 6) for p in ax.patches)
+    assert heights == [12.5, 25.0, 100.0, 100.0]
+    (ideal,) = ax.get_lines()
+    assert list(ideal.get_ydata()) == [12.5, 12.5]
+
+
+def test_a_restore_figure_outlines_the_readers_shard_and_hatches_what_it_reads() -> None:
+    """Block 0's `up` saved under FSDP on 8 devices is 8 bands of rows, one chunk each. Under
+    TP device 0 keeps the left half of the columns, outlined, and reads all 8 bands; under
+    FSDP on 4 devices it keeps and reads the first 2."""
+    restored = {"TP": (TP, None), "FSDP on 4": (FSDP, 4)}
+    saved, tp, half = plot_restore(TINY, "blocks/0/mlp/up", restored).axes
+
+    def hatched(ax) -> list:
+        return [p for p in ax.patches if p.get_hatch()]
+
+    def outlined(ax) -> list:
+        return [p for p in ax.patches if tuple(p.get_edgecolor()[:3]) == (1.0, 0.0, 0.0)]
+
+    assert len(saved.patches) == 8 and not hatched(saved)
+    assert len(hatched(tp)) == 8 and len(hatched(half)) == 2
+    (box,) = outlined(tp)
+    assert (box.get_x(), box.get_y(), box.get_width(), box.get_height()) == (0, 0, 128, 64)
+    assert "keeps 32,768 B, reads 65,536 B" in tp.get_title()
+    assert "keeps 16,384 B, reads 16,384 B" in half.get_title()
+
+
+def test_init_memory_draws_device_0_alone_against_every_device_s_shards() -> None:
+    from nnxscale.figures import plot_init_memory
+    from nnxscale.init import InitPrograms
+    from nnxscale.memory import CompiledMemory
+    from nnxscale.model import Config, create
+    from nnxscale.rules import FSDP
+
+    small = Config(vocab=16, embed=8, heads=2, head_dim=4, mlp=16, layers=1, max_len=8)
+    programs = InitPrograms.compile(lambda: create(small), FSDP)
+    fig = plot_init_memory(programs)
+    left, right = fig.axes
+    devices = jax.device_count()
+    whole = CompiledMemory.of(programs.whole)
+    heights = [bar.get_height() for bar in left.patches[: 2 * devices]]
+    # device 0 alone holds the whole build's outputs and temporaries; the others nothing
+    assert heights[0] + heights[devices] == pytest.approx((whole.output + whole.temp) / 1024)
+    assert not any(heights[1:devices]) and not any(heights[devices + 1 :])
+    tops = {round(bar.get_height(), 6) for bar in right.patches}
+    assert len(tops) == 2  # every device the same weights and temporaries
+
+
+def test_zero_stages_stack_each_role_s_bytes_per_rule_set() -> None:
+    from nnxscale.figures import plot_zero_stages
+    from nnxscale.model import Config, create
+    from nnxscale.rules import DP, FSDP, ZERO1, ZERO2
+    from nnxscale.train import role_bytes
+
+    small = Config(vocab=16, embed=8, heads=2, head_dim=4, mlp=16, layers=1, max_len=8)
+    rule_sets = [DP, ZERO1, ZERO2, FSDP]
+    fig = plot_zero_stages(small, rule_sets)
+    (ax,) = fig.axes
+    bars = [p for p in ax.patches if isinstance(p, matplotlib.patches.Rectangle)]
+    assert len(bars) == 3 * len(rule_sets)  # parameters, gradients, optimizer state
+    held = role_bytes(lambda: create(small), rule_sets)
+    totals = [sum(h.values()) for h in held.values()]
+    heights = np.array([b.get_height() for b in bars]).reshape(3, len(rule_sets)).sum(0)
+    assert heights / heights[0] == pytest.approx(np.array(totals) / totals[0])
+
+
+def test_data_parallel_draws_a_row_per_device_and_one_all_reduce() -> None:
+    from nnxscale.figures import plot_data_parallel
+
+    fig = plot_data_parallel(devices=4, rows=8, grad_bytes=1000, sent=1500.0)
+    (ax,) = fig.axes
+    labels = [t.get_text() for t in ax.texts]
+    assert sum(label.startswith("gradients g") for label in labels) == 4
+    assert sum("all-reduce" in label for label in labels) == 1
+    assert "1,500 bytes" in ax.get_title()
+
+
+def test_tensor_parallel_mlp_is_drawn_from_the_layout() -> None:
+    from flax import nnx
+
+    from nnxscale.figures import plot_tensor_parallel_mlp
+    from nnxscale.init import abstract
+    from nnxscale.layout import resolve
+    from nnxscale.model import TINY, create
+    from nnxscale.rules import TP, strategy_mesh
+
+    layout = resolve(nnx.state(abstract(lambda: create(TINY))), TP, strategy_mesh(TP))
+    fig = plot_tensor_parallel_mlp(layout, rows=16)
+    axes = [ax for ax in fig.axes if ax.get_visible()]
+    assert len(axes) == 5  # x, W_up, h, W_down, y
+    model = strategy_mesh(TP).shape["model"]
+    assert len(axes[1].patches) == len(axes[3].patches) == model  # split over model
+    data = strategy_mesh(TP).shape["data"]
+    assert len(axes[2].patches) == data * model  # h: batch rows by columns
+
+
+def test_strategy_costs_draw_memory_and_traffic_per_strategy() -> None:
+    from nnxscale.figures import plot_strategy_costs
+
+    fig = plot_strategy_costs(
+        state={"DP": 4096, "FSDP": 1024},
+        temp={"DP": 2048, "FSDP": 2048},
+        sent={"DP": 3072, "FSDP": 4096},
+        formulas={"DP formula": 3072},
+        ideal=512,
+    )
+    memory, traffic = fig.axes
+    assert [p.get_height() for p in memory.patches] == [4.0, 1.0, 2.0, 2.0]
+    assert [p.get_height() for p in traffic.patches] == [3.0, 4.0]

@@ -127,3 +127,39 @@ def test_bad_options_and_models_are_refused(placed) -> None:
         fsdp.loss_and_grads(create(TINY), tokens, None, mesh=MESH)
     with pytest.raises(ValueError, match="micro_batches=1"):
         fsdp.loss_and_grads(model, tokens, None, 2, mesh=MESH)
+
+
+def test_layer_bytes_are_each_layers_weights_stacked_or_not() -> None:
+    """A layer's bytes are its weights' (query, key, value, out, up, down, two norm scales),
+    whether the layers are stacked for a scan or separate modules."""
+    e, mlp = TINY.embed, TINY.mlp
+    one = 4 * (4 * e * TINY.heads * TINY.head_dim + 2 * e * mlp + 2 * e)
+    assert fsdp.layer_bytes(CFG) == [one] * CFG.layers
+    assert fsdp.layer_bytes(TINY.replace(layers=3)) == [one] * 3
+    stacked = nnx.state(create(CFG).blocks, nnx.Param)
+    assert sum(fsdp.layer_bytes(CFG)) == sum(a.nbytes for a in jax.tree.leaves(stacked))
+
+
+def test_loop_carries_count_what_a_scan_keeps_between_iterations(placed) -> None:
+    """A scan's carry, nested in jit and shard_map; with prefetch the layer loops carry one
+    gathered layer more, forward and backward."""
+    carry = jax.numpy.zeros((3, 5), jax.numpy.float32)
+
+    def looped(x):
+        return jax.lax.scan(lambda c, _: (c * 2.0, None), x, None, length=4)[0].sum()
+
+    assert fsdp.loop_carries(jax.jit(looped), carry) == [60]
+    assert fsdp.loop_carries(lambda x: x.sum(), carry) == []
+    model, tokens = placed
+
+    def carries(options):
+        return fsdp.loop_carries(
+            lambda m, t: fsdp.loss_and_grads(m, t, None, mesh=MESH, options=options),
+            model,
+            tokens,
+        )
+
+    gap = [
+        a - b for a, b in zip(carries(MODES["prefetch"]), carries(MODES["regather"]), strict=True)
+    ]
+    assert gap == [fsdp.layer_bytes(CFG)[0]] * 2  # the forward loop's, the backward's

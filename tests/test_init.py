@@ -12,9 +12,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from nnxscale.hlo import largest_array
-from nnxscale.init import abstract, compile_init, init_sharded
+from nnxscale.init import InitPrograms, abstract, compile_init, compile_whole, init_sharded
 from nnxscale.memory import CompiledMemory, device_bytes
-from nnxscale.model import TINY, create
+from nnxscale.model import TINY, Config, create
 from nnxscale.rules import FSDP, RULE_SETS, strategy_mesh
 
 # Each sharded init compiles for about 3 s (XLA's CPU backend, one random-normal call site per
@@ -100,3 +100,26 @@ def test_dropout_masks_do_not_depend_on_the_mesh(devices: int) -> None:
 
     single = nnx.Dropout(0.5)(jnp.ones(shape), rngs=jax.random.key(3)) != 0
     np.testing.assert_array_equal(mask(jax.random.key(3)), single)
+
+
+SMALL = Config(vocab=16, embed=8, heads=2, head_dim=4, mlp=16, layers=1, max_len=8)
+"""A model that compiles in a fraction of TINY's time."""
+
+
+def test_the_whole_build_and_the_sharded_one_make_the_same_model() -> None:
+    programs = InitPrograms.compile(lambda: create(SMALL), FSDP)
+    memory, layout = programs.memory(), programs.layout
+    assert memory["whole"].output >= layout.total_bytes()
+    assert layout.bytes_per_device() <= memory["sharded"].output
+    assert memory["sharded"].output < layout.bytes_per_device() + 1024  # + the output table
+    whole = nnx.merge(programs.graphdef, programs.whole())
+    for want, got in zip(leaves(whole), leaves(programs.create()), strict=True):
+        np.testing.assert_array_equal(got, want)
+    with jax.threefry_partitionable(False):  # the whole build draws compile_init's numbers
+        again = nnx.merge(programs.graphdef, compile_whole(lambda: create(SMALL))())
+    np.testing.assert_array_equal(leaves(again)[0], leaves(whole)[0])
+
+
+def test_a_pytree_is_built_whole_as_it_is() -> None:
+    built = compile_whole(lambda: {"w": jnp.ones((4, 2)), "b": jnp.zeros(2)})()
+    assert set(built) == {"w", "b"} and built["w"].shape == (4, 2)

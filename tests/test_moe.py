@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+import nnxscale as nx
 from nnxscale import moe
 from nnxscale.hlo import collectives
 from nnxscale.mesh import make_mesh
@@ -225,3 +226,17 @@ def test_an_expert_count_the_rules_cannot_split_is_an_error() -> None:
             nx.EP,
             nx.strategy_mesh(nx.EP, 8),
         )
+
+
+def test_the_models_routings_are_each_layers_routing_compiled_once() -> None:
+    """`Transformer.routings` runs as one program and gives what the blocks give one by one."""
+    model = nx.create(nx.TINY.replace(dropout=0.0, experts=4, top_k=2))
+    ids = nx.book_batches(2).rows(0)[:, :8]
+    found = model.routings(ids)
+    x = model.embed_tokens(ids)
+    for block, routing in zip(model.blocks, found, strict=True):
+        x, expected = block.with_routing(x, None)
+        assert (routing.dispatch == expected.dispatch).all()
+        assert (routing.chosen == expected.chosen).all()
+    with pytest.raises(ValueError, match="experts > 0"):
+        nx.create(nx.TINY).routings(ids)

@@ -8,11 +8,15 @@ import pytest
 
 from nnxscale.schedules import (
     BACKWARD,
+    CHECK_COLUMNS,
     FORWARD,
     WEIGHTS,
     ScheduleError,
     Task,
     bubble_formula,
+    check,
+    expected_bubble,
+    expected_peaks,
     gpipe,
     interleaved,
     one_f_one_b,
@@ -141,3 +145,32 @@ def test_w_before_its_b_is_a_deadlock() -> None:
     missing = dataclasses.replace(two, order=(two.order[0][:-1], two.order[1]))
     with pytest.raises(ScheduleError, match=r"1 tasks never run, e.g. \['W1@0'\]"):
         validate(missing)
+
+
+def test_check_returns_every_row_it_verified() -> None:
+    rows = check([(4, 8, 1), (4, 8, 2), (4, 2, 1)])
+    names = ["GPipe", "1F1B", "ZB-H1", "interleaved 1F1B (v=2)", "GPipe", "1F1B"]
+    assert [row[0] for row in rows] == names  # ZB-H1's formula needs m >= p
+    assert len(CHECK_COLUMNS) == len(rows[0])
+    assert rows[0][1:4] == [4, 8, 1] and rows[0][4] == pytest.approx(3 / 11)
+    assert [row[6] for row in rows] == [8, 4, 4, 2 * 3 + 4 + 1, 2, 2]
+
+
+def test_expected_peaks_are_each_schedule_s_rule() -> None:
+    assert expected_peaks(gpipe(4, 8)) == [8] * 4
+    assert expected_peaks(one_f_one_b(4, 8)) == [4, 3, 2, 1]
+    assert expected_peaks(zero_bubble(4, 8)) == [4] * 4
+    assert expected_peaks(interleaved(4, 8, 2)) == [11, 9, 7, 5]
+    assert expected_bubble(interleaved(4, 8, 2)) == bubble_formula(4, 8, 2)
+
+
+def test_check_fails_when_a_formula_is_wrong(monkeypatch) -> None:
+    from nnxscale import schedules
+
+    monkeypatch.setattr(schedules, "bubble_formula", lambda p, m, v=1: (p - 1) / (v * m + p))
+    with pytest.raises(AssertionError, match=r"GPipe at p=4, m=8: bubble"):
+        check([(4, 8, 1)])
+    monkeypatch.undo()
+    monkeypatch.setattr(schedules, "expected_peaks", lambda s: [s.micro_batches] * s.devices)
+    with pytest.raises(AssertionError, match=r"1F1B at p=4, m=8.*peaks \[4, 3, 2, 1\]"):
+        check([(4, 8, 1)])

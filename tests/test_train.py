@@ -182,3 +182,38 @@ def test_one_options_object_reaches_the_step() -> None:
     free = run.compile(run.batch(BATCHES)).as_text()
     named = trainer_for(FSDP, 2, options=options.replace(activations=True))
     assert named.compile(named.batch(BATCHES)).as_text() != free
+
+
+def test_role_bytes_split_what_each_zero_stage_splits() -> None:
+    from nnxscale.init import abstract
+    from nnxscale.model import Config, count_params
+    from nnxscale.rules import ZERO1, ZERO2
+    from nnxscale.train import role_bytes
+
+    small = Config(vocab=16, embed=8, heads=2, head_dim=4, mlp=16, layers=1, max_len=8)
+    params = 4 * count_params(abstract(lambda: create(small)))
+    held = role_bytes(lambda: create(small), [DP, ZERO1, ZERO2, FSDP])
+    n = jax.device_count()  # every array of `small` has a dimension n divides
+    count = 4  # AdamW's step count, held whole
+    assert held["DP"] == {"params": params, "grads": params, "optimizer": 2 * params + count}
+    assert held["ZeRO-1"] == {
+        "params": params,
+        "grads": params,
+        "optimizer": 2 * params // n + count,
+    }
+    assert held["ZeRO-2"] == {
+        "params": params,
+        "grads": params // n,
+        "optimizer": 2 * params // n + count,
+    }
+    assert held["FSDP"] == {
+        "params": params // n,
+        "grads": params // n,
+        "optimizer": 2 * params // n + count,
+    }
+
+
+def test_evaluations_compile_with_the_trainer_s_options() -> None:
+    run = trainer(DP, options=TrainOptions(compiler_options={"xla_no_such_option": True}))
+    with pytest.raises(Exception, match="xla_no_such_option"):
+        run.evaluate(run.state, run.batch(BATCHES))

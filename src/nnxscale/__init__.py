@@ -38,6 +38,7 @@ from nnxscale import (
     mesh,
     model,
     moe,
+    multi,
     naming,
     params,
     pipeline,
@@ -131,7 +132,7 @@ __all__ = [
 MODULES = (
     activations, agree, calculator, checkpoint, cli, comm, context, costs, data, devices,
     environment, events, figures, formula, fsdp, hlo, init, integrity, launch, layout, losses,
-    machine, memory, mesh, model, moe, naming, params, pipeline, planner, program, rules,
+    machine, memory, mesh, model, moe, multi, naming, params, pipeline, planner, program, rules,
     schedules, show, train, trees,
 )  # fmt: skip
 """The modules, each reached as `nx.<module>`: the rest of the library, spelled with its home."""

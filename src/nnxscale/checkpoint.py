@@ -30,6 +30,7 @@ import atexit
 import contextlib
 import dataclasses
 import functools
+import itertools
 import json
 import re
 import sys
@@ -37,7 +38,7 @@ import threading
 import time
 import warnings
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -406,6 +407,28 @@ def file_role(path: str) -> str:
         if re.search(pattern, path):
             return role
     return "other"
+
+
+def chunks_read(
+    chunk: Sequence[int], target: jax.Array | jax.ShapeDtypeStruct, device: int = 0
+) -> list[tuple[int, ...]]:
+    """The saved chunks a restore reads to fill `device`'s shard of `target`: their positions
+    in the grid of `chunk`-shaped chunks (`Checkpoints.chunks`), every one the shard overlaps.
+
+    A chunk is compressed as a whole, so it is read whole: a shard that cuts across the saved
+    chunks reads more bytes than it keeps, one that the chunks tile reads exactly its own.
+    """
+    shape = tuple(target.shape)
+    if len(chunk) != len(shape):
+        raise ValueError(f"chunk {tuple(chunk)} and array {shape} differ in dimensions")
+    blocks = {d.id: index for d, index in target.sharding.devices_indices_map(shape).items()}
+    if device not in blocks:
+        raise ValueError(f"device {device} holds no shard of the target: {sorted(blocks)} do")
+    spans = []
+    for part, dim, size in zip(blocks[device], shape, chunk, strict=True):
+        start, stop, _ = part.indices(dim)
+        spans.append(range(start // size, -(-stop // size)))
+    return list(itertools.product(*spans))
 
 
 @dataclasses.dataclass

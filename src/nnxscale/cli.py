@@ -4,8 +4,8 @@
 `python -m nnxscale restore DIR ...` restores the latest checkpoint of DIR onto a mesh of
 its own and reports checksums. A new process is the only way to get another device count:
 JAX fixes it when it starts. `run` starts one through the launcher (`nnxscale.launch`) and
-returns its output; `crash_during_save` starts a training run that kills itself while it
-writes a checkpoint.
+returns its output; `crash_during_save` runs a training run that kills itself while it
+writes a checkpoint (`start_crash_during_save` returns while it trains).
 
 What a command reports, it prints as typed events (`nnxscale.events`), one JSON line each;
 `nnxscale.events.read` turns the output back into them:
@@ -43,7 +43,7 @@ from nnxscale.launch import COORDINATOR, initialize
 from nnxscale.mesh import make_mesh
 from nnxscale.model import TINY, Transformer, create
 from nnxscale.rules import RULE_SETS, strategy_mesh
-from nnxscale.train import Trainer, adamw
+from nnxscale.train import Trainer, TrainOptions, adamw
 
 PROGRAM = (sys.executable, "-m", "nnxscale")
 """The command line that starts the library's programs (`nnxscale.__main__`)."""
@@ -66,7 +66,8 @@ def _train(args: argparse.Namespace) -> None:
             )
             tell(events.Resumed, step=trainer.step_count())
         else:
-            trainer = Trainer.create(create(cfg), adamw(), rules, mesh)
+            options = TrainOptions(compiler_options=json.loads(args.compiler_options) or None)
+            trainer = Trainer.create(create(cfg), adamw(), rules, mesh, options)
         start, stop = batches.local_rows(trainer.batch_sharding)
         tell(
             events.Start,
@@ -168,6 +169,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     train.add_argument("--batch-size", type=int, default=16)
     train.add_argument("--config", default="{}", help="JSON changes to the TINY model config")
     train.add_argument(
+        "--compiler-options",
+        default="{}",
+        help="JSON options for XLA when a new run's step compiles (a resumed run: the saved ones)",
+    )
+    train.add_argument(
         "--crash-during-save",
         type=int,
         default=None,
@@ -201,7 +207,34 @@ class Crash:
     returncode: int
 
 
-def crash_during_save(
+@dataclasses.dataclass
+class CrashingRun:
+    """A training run started by `start_crash_during_save`: it trains while the caller goes
+    on, and kills itself during its last save."""
+
+    run: launch.Run
+    steps: int
+    timeout: float
+
+    def result(self) -> Crash:
+        """Wait for the run to die; what it printed before. RuntimeError if it ended any other
+        way than killed during its last save."""
+        self.run.wait(self.timeout, check=False)
+        (returncode,) = self.run.returncodes
+        output = self.run.output
+        if returncode != -signal.SIGKILL or not any(
+            saving.step == self.steps for saving in events.read(output, events.Saving)
+        ):
+            raise RuntimeError(
+                f"the training run ended with {returncode} before its step-{self.steps} save "
+                "could be interrupted:\n" + "\n".join(output)
+            )
+        losses = {e.step: e.loss for e in events.read(output, events.Step)}
+        sums = {e.step: e.sums for e in events.read(output, events.Checksums)}
+        return Crash(output, losses, sums, self.steps, returncode)
+
+
+def start_crash_during_save(
     directory: str | Path,
     *,
     steps: int,
@@ -210,13 +243,18 @@ def crash_during_save(
     rules: str = "FSDP",
     batch_size: int = 16,
     config: str = "{}",
+    compiler_options: dict[str, Any] | None = None,
     timeout: float = 300,
-) -> Crash:
-    """Train to `steps`, saving every `save_every`; SIGKILL the process as its last save starts.
+) -> CrashingRun:
+    """Start, in another process, a run that trains to `steps`, saving every `save_every`, and
+    SIGKILLs itself as its last save starts; returns at once (`result()` waits for it).
 
     The process kills itself right after its last `Saving` event, as soon as Orbax has taken
     the state off the devices and the write has begun in a background thread: the kill lands
-    while the files are written, without waiting for another process to react.
+    while the files are written, without waiting for another process to react. The step
+    compiles with `compiler_options` (such as `nnxscale.train.FAST_COMPILE`), which the run's
+    checkpoints record, so a run restored from them computes the same bits. `timeout` counts
+    from the call to `result()`.
     """
     command = [
         *PROGRAM,
@@ -232,19 +270,15 @@ def crash_during_save(
         str(batch_size),
         "--config",
         config,
+        "--compiler-options",
+        json.dumps(dict(compiler_options or {})),
         "--crash-during-save",
         str(steps),
     ]
-    done = launch.run(command, devices, timeout=timeout, check=False)
-    (returncode,) = done.returncodes
-    output = done.output
-    if returncode != -signal.SIGKILL or not any(
-        saving.step == steps for saving in events.read(output, events.Saving)
-    ):
-        raise RuntimeError(
-            f"the training run ended with {returncode} before its step-{steps} save could be "
-            "interrupted:\n" + "\n".join(output)
-        )
-    losses = {e.step: e.loss for e in events.read(output, events.Step)}
-    sums = {e.step: e.sums for e in events.read(output, events.Checksums)}
-    return Crash(output, losses, sums, steps, returncode)
+    return CrashingRun(launch.start(command, 1, devices, echo=None), steps, timeout)
+
+
+def crash_during_save(directory: str | Path, **options: Any) -> Crash:
+    """Train to `steps`, saving every `save_every`; SIGKILL the process as its last save starts
+    (`start_crash_during_save` with the same options, waited for)."""
+    return start_crash_during_save(directory, **options).result()

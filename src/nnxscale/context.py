@@ -51,6 +51,22 @@ class Ring:
             return list(range(n))
         return [c for i in range(n) for c in (i, 2 * n - 1 - i)]
 
+    def permutation(self) -> list[tuple[int, int]]:
+        """The (source, destination) pairs of one hop around the ring: each device sends the
+        K/V shard it holds to the next one. The kernel's `ppermute` sends exactly these."""
+        return [(i, (i + 1) % self.devices) for i in range(self.devices)]
+
+    def holding(self, step: int) -> list[int]:
+        """Whose K/V shard each device holds at ring step `step` (device i holds i - step's):
+        the permutation applied `step` times to the devices' own shards."""
+        held = list(range(self.devices))
+        for _ in range(step):
+            moved = held[:]
+            for source, destination in self.permutation():
+                moved[destination] = held[source]
+            held = moved
+        return held
+
     def check(self, length: int) -> None:
         """Raise a clear error unless `length` tokens cut into the layout's equal chunks."""
         chunks = len(self.chunks())
@@ -142,7 +158,7 @@ def schedule(ring: Ring, length: int, block: int, causal: bool) -> tuple[np.ndar
     blocks = starts.shape[1]
     needed = [
         (np.bool_(not causal) | (starts[:, :, None] + block - 1 >= held[:, None, :])).reshape(n, -1)
-        for held in (np.roll(starts, t, axis=0) for t in range(n))  # me holds me - t's keys
+        for held in (starts[ring.holding(t)] for t in range(n))  # me holds me - t's keys
     ]
     counts = [int(need.sum(axis=1).max()) for need in needed]  # the busiest device's pairs
     widths = [counts[0]] + [max(counts[1:], default=0)] * (n - 1)
@@ -194,8 +210,7 @@ class _Kernel:
 
     def hop(self, x):
         """`x` from each device to the next one around the ring."""
-        n = self.ring.devices
-        return jax.lax.ppermute(x, self.ring.axis, [(i, (i + 1) % n) for i in range(n)])
+        return jax.lax.ppermute(x, self.ring.axis, self.ring.permutation())
 
     def around(self, state, held, fold):
         """`fold(state, held, pair_at, width, q_pos, k_pos)` at every ring step: `width`

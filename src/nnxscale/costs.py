@@ -1173,6 +1173,26 @@ def step_cost(
     return StepCost(setup, memory, phases, flops, tuple(found), compute, bubble, step)
 
 
+LEDGER_PARTS = ("parameters", "gradients", "optimizer state", "activations")
+"""The four parts of a device's memory ledger, in the order they are usually drawn."""
+
+
+def ledger(cfg: Config, setup: Setup, batch: int, seq: int | None = None) -> dict[str, float]:
+    """Bytes per device of the four things a training step holds under `setup` (its
+    `LEDGER_PARTS`): parameters, gradients, optimizer state, and activations (those the
+    backward pass keeps, and those remat rebuilds). Each is held at its own moment of the
+    step, so the step's peak (`step_cost(...).peak`) is not their sum."""
+    seq = seq or cfg.max_len
+    costs = derive(setup.rules, cfg.compute_dtype, setup.remat, mixture(cfg))
+    sizes = sizes_of(cfg, setup, batch, seq)
+    return {
+        "parameters": costs.state["parameters"](sizes),
+        "gradients": costs.gradients(sizes),
+        "optimizer state": costs.state["optimizer state"](sizes),
+        "activations": costs.activations(sizes) + costs.rebuilt(sizes),
+    }
+
+
 SEVEN_B = Config(
     vocab=32000,
     embed=4096,

@@ -15,8 +15,10 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import io
+import math
 from collections.abc import Callable
 from functools import partial
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -26,9 +28,10 @@ from jax.extend.core import Primitive
 from jax.sharding import Mesh, PartitionSpec
 
 from nnxscale.comm import GATHERED, gather_tree
+from nnxscale.init import abstract
 from nnxscale.layout import resolve
 from nnxscale.losses import GradsFn
-from nnxscale.model import Transformer
+from nnxscale.model import Config, Transformer, create
 from nnxscale.rules import FSDP, Rules
 
 
@@ -167,3 +170,40 @@ def loss_and_grads(
 def grads_fn(mesh: Mesh, options: Options = Options(), rules: Rules = FSDP) -> GradsFn:
     """`loss_and_grads` bound to a mesh and options, for `Trainer.create(grads_fn=...)`."""
     return partial(loss_and_grads, mesh=mesh, rules=rules, options=options)
+
+
+def layer_bytes(cfg: Config) -> list[int]:
+    """Bytes of each layer's weights, whole: what FSDP gathers before the layer runs (read off
+    the abstract model, no memory), the sizes a per-layer FSDP timeline is drawn with."""
+    model = abstract(lambda: create(cfg))
+    sizes = [0] * cfg.layers
+    for path, variable in nnx.to_flat_state(nnx.state(model.blocks, nnx.Param)):
+        value = variable.get_value()  # a shape and dtype: the model is abstract
+        nbytes = math.prod(value.shape) * jnp.dtype(value.dtype).itemsize
+        if cfg.scan_layers:  # one array per weight, its first dimension the layers
+            sizes = [size + nbytes // cfg.layers for size in sizes]
+        else:
+            sizes[int(path[0])] += nbytes
+    return sizes
+
+
+def loop_carries(f: Callable[..., Any], *args: Any) -> list[int]:
+    """Bytes each scan of `f`'s program carries from one iteration to the next, in program
+    order (scans nested in `jit`, `shard_map` or another scan included): what a loop holds
+    across its iterations besides what it reads and writes of its stacked inputs and outputs."""
+    carried: list[int] = []
+
+    def visit(jaxpr: Any) -> None:
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "scan":
+                first = eqn.params["num_consts"]
+                avals = eqn.params["jaxpr"].in_avals[first : first + eqn.params["num_carry"]]
+                carried.append(sum(math.prod(a.shape) * a.dtype.itemsize for a in avals))
+            for param in eqn.params.values():
+                for inner in param if isinstance(param, list | tuple) else [param]:
+                    inner = getattr(inner, "jaxpr", inner)  # a ClosedJaxpr's own
+                    if hasattr(inner, "eqns"):
+                        visit(inner)
+
+    visit(jax.make_jaxpr(f)(*args).jaxpr)
+    return carried

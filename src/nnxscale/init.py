@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Any, Generic, TypeVar
 
 import jax
 from flax import nnx
 from jax.sharding import Mesh
 
 from nnxscale.layout import Layout, resolve
-from nnxscale.rules import Rules
+from nnxscale.memory import CompiledMemory
+from nnxscale.rules import Rules, strategy_mesh
 from nnxscale.trees import place
 
 T = TypeVar("T")
@@ -53,6 +55,53 @@ def compile_init(
     with jax.threefry_partitionable(True):
         lowered = jax.jit(make, out_shardings=layout.shardings()).lower()
     return lowered.compile(), graphdef, layout
+
+
+def compile_whole(create: Callable[[], Any]) -> jax.stages.Compiled:
+    """`create` compiled the usual way, without shardings: the program that builds every
+    array whole on one device, as a model built first and split afterwards is built. Its
+    random numbers are `compile_init`'s (partitionable), so the two give the same values."""
+
+    def make() -> Any:
+        with nnx.use_eager_sharding(False):
+            made = create()
+            state = nnx.split(made)[1]
+            return state if jax.tree.leaves(state) else made
+
+    with jax.threefry_partitionable(True):
+        lowered = jax.jit(make).lower()
+    return lowered.compile()
+
+
+@dataclasses.dataclass(frozen=True)
+class InitPrograms(Generic[T]):
+    """One constructor compiled two ways, to compare what a device holds while it runs:
+    `whole`, without shardings (build on one device, split afterwards), and `sharded`, by
+    `compile_init` straight into `layout`'s shards."""
+
+    whole: jax.stages.Compiled
+    sharded: jax.stages.Compiled
+    graphdef: nnx.GraphDef | None
+    layout: Layout
+
+    @classmethod
+    def compile(
+        cls, create: Callable[[], T], rules: Rules, mesh: Mesh | None = None
+    ) -> InitPrograms[T]:
+        """Both programs for `create`, laid out by `rules` on `mesh` (default: the rule set's
+        mesh on every device, `strategy_mesh`)."""
+        mesh = mesh if mesh is not None else strategy_mesh(rules)
+        sharded, graphdef, layout = compile_init(create, rules, mesh)
+        return cls(compile_whole(create), sharded, graphdef, layout)
+
+    def memory(self) -> dict[str, CompiledMemory]:
+        """XLA's per-device memory analysis of each program, by name."""
+        return {"whole": CompiledMemory.of(self.whole), "sharded": CompiledMemory.of(self.sharded)}
+
+    def create(self) -> T:
+        """Run the sharded program: what `create` builds, every array in its shards."""
+        made = self.sharded()
+        return made if self.graphdef is None else nnx.merge(self.graphdef, made)
 
 
 def init_sharded(create: Callable[[], T], rules: Rules, mesh: Mesh) -> tuple[T, Layout]:

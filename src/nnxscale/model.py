@@ -439,16 +439,13 @@ class Transformer(nnx.Module):
         return constrain(x.astype(jnp.dtype(cfg.compute_dtype)), RESIDUAL)
 
     def routings(self, tokens: jax.Array) -> list[Routing]:
-        """How each layer's experts routed `tokens` (no dropout): what a chapter plots."""
+        """How each layer's experts routed `tokens` (no dropout): what a chapter plots. One
+        compiled program per shape of `tokens` (op by op, every op would compile anew)."""
         if self.cfg.scan_layers or not self.cfg.experts:
             raise ValueError(
                 "routings reads a Python loop of MoE layers: use experts > 0 and scan_layers=False"
             )
-        x, found = self.embed_tokens(tokens), []
-        for block in self.blocks:
-            x, routing = block.with_routing(x, None)
-            found.append(routing)
-        return found
+        return _routings(self, tokens)
 
     def layer_keys(self, dropout_key: jax.Array) -> jax.Array:
         """One dropout key per layer, from the step's key."""
@@ -509,3 +506,13 @@ def create(cfg: Config, seed: int = 0) -> Transformer:
 def count_params(model: nnx.Module) -> int:
     """Number of parameter elements."""
     return sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+
+
+@nnx.jit
+def _routings(model: Transformer, tokens: jax.Array) -> list[Routing]:
+    """Each MoE layer's routing of `tokens` through the model's Python loop of blocks."""
+    x, found = model.embed_tokens(tokens), []
+    for block in model.blocks:
+        x, routing = block.with_routing(x, None)
+        found.append(routing)
+    return found

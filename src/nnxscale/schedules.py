@@ -13,7 +13,7 @@ device holds, drawn as Gantt charts, and run by the executor.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 FORWARD, BACKWARD, WEIGHTS = "F", "B", "W"
 
@@ -299,3 +299,66 @@ def split_layers(layers: int, stages: int) -> list[range]:
         )
     size = layers // stages
     return [range(s * size, (s + 1) * size) for s in range(stages)]
+
+
+def expected_bubble(schedule: Schedule) -> float:
+    """The idle share the literature gives for this schedule with equal F, B (and W) costs:
+    ZB-H1's (p-1)/(3m+p-1), else (p-1)/(vm+p-1)."""
+    p, m = schedule.devices, schedule.micro_batches
+    if schedule.split:
+        return zero_bubble_formula(p, m)
+    return bubble_formula(p, m, schedule.virtual)
+
+
+def expected_peaks(schedule: Schedule) -> list[int]:
+    """Per device, the micro-batch stages whose activations it holds at its peak, by each
+    schedule's rule: m (GPipe), min(m, p - d) (1F1B), min(m, p) (ZB-H1), and interleaved's
+    warm-up plus one, min(2(p-1-d) + (v-1)p + 1, vm)."""
+    p, m, v = schedule.devices, schedule.micro_batches, schedule.virtual
+    rules = {
+        "GPipe": lambda d: m,
+        "1F1B": lambda d: min(m, p - d),
+        "ZB-H1": lambda d: min(m, p),
+    }
+    if schedule.name.startswith("interleaved"):
+        return [min(2 * (p - 1 - d) + (v - 1) * p + 1, v * m) for d in range(p)]
+    if schedule.name not in rules:
+        raise ScheduleError(f"{schedule.name}: no peak formula is known for this schedule")
+    return [rules[schedule.name](d) for d in range(p)]
+
+
+CHECK_COLUMNS = (
+    "schedule",
+    "p",
+    "m",
+    "v",
+    "bubble (simulated)",
+    "bubble (formula)",
+    "peak held, device 0 (simulated)",
+    "peak held (formula)",
+)
+"""The columns of the rows `check` returns."""
+
+
+def check(shapes: Sequence[tuple[int, int, int]]) -> list[list[object]]:
+    """Simulate each schedule at every (p, m, v) and raise AssertionError unless its bubble
+    equals the formula to 1e-12 and every device's peak equals the formula's; the rows checked
+    (`CHECK_COLUMNS`). v = 1 checks GPipe, 1F1B and ZB-H1 (ZB-H1's formula needs m >= p),
+    v > 1 interleaved 1F1B."""
+    rows = []
+    for p, m, v in shapes:
+        if v == 1:
+            schedules = [gpipe(p, m), one_f_one_b(p, m)] + [zero_bubble(p, m)] * (m >= p)
+        else:
+            schedules = [interleaved(p, m, v)]
+        for schedule in schedules:
+            timeline = simulate(schedule)
+            bubble, peaks = timeline.bubble(), timeline.peak_in_flight()
+            formula, expected = expected_bubble(schedule), expected_peaks(schedule)
+            if abs(bubble - formula) >= 1e-12 or peaks != expected:
+                raise AssertionError(
+                    f"{schedule.name} at p={p}, m={m}: bubble {bubble!r} against the "
+                    f"formula's {formula!r}, peaks {peaks} against {expected}"
+                )
+            rows.append([schedule.name, p, m, v, bubble, formula, peaks[0], expected[0]])
+    return rows

@@ -14,7 +14,8 @@ import dataclasses
 import json
 import math
 import time
-from collections.abc import Callable, Mapping
+import warnings
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from typing import Any
@@ -28,9 +29,9 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from nnxscale.data import check_batch_splits
-from nnxscale.init import compile_init
+from nnxscale.init import abstract, compile_init
 from nnxscale.integrity import new_run
-from nnxscale.layout import Layout, activation_rules, resolve
+from nnxscale.layout import Layout, ReplicationWarning, activation_rules, resolve
 from nnxscale.losses import GradsFn, LossFn, next_token_loss
 from nnxscale.mesh import AXIS_TYPES, AxisTypeError, axis_kind, axis_type_error, constrain_to
 from nnxscale.model import TINY, Config, create
@@ -313,7 +314,7 @@ class TrainOptions:
 
     `loss_fn(model, batch, rngs)` is the loss (default: the book's next-token loss);
     `grads_fn` replaces the whole loss-and-gradient computation (`nnxscale.fsdp`,
-    `nnxscale.pipeline`). `compiler_options` go to XLA when the step compiles;
+    `nnxscale.pipeline`). `compiler_options` go to XLA when the step and the evaluations compile;
     `activations=False` leaves the model's activations to the compiler (no constraints).
     """
 
@@ -500,6 +501,7 @@ class Trainer:
                     partial(eval_loss, graphdef, ema=ema, loss_fn=loss_fn),
                     in_shardings=(shardings, batch),
                     out_shardings=scalar,
+                    compiler_options=dict(options.compiler_options or {}) or None,
                 ),
                 layout.mesh,
                 rules,
@@ -674,6 +676,39 @@ def gradient_shardings(graphdef: nnx.GraphDef, values: nnx.State, layout: Layout
         return None
     params = nnx.state(nnx.merge(graphdef, values).model, nnx.Param)
     return resolve(params, layout.rules, layout.mesh, role="grads").shardings()
+
+
+ROLE_NAMES = {"params": "parameters", "grads": "gradients", "optimizer": "optimizer state"}
+"""What each role of `role_bytes` holds, in words."""
+
+
+def role_bytes(
+    create: Callable[[], nnx.Module],
+    rule_sets: Sequence[Rules],
+    tx: optax.GradientTransformation | None = None,
+) -> dict[str, dict[str, int]]:
+    """Bytes each device holds of a model's parameters, their gradients and its optimizer's
+    state (`tx`, default `adamw()`: two moments and a step count) under each rule set, on
+    its own mesh (`strategy_mesh`), by rule set name and role: each role laid out as a step
+    holds it, which is what DP, ZeRO-1, ZeRO-2 and FSDP differ in. From abstract arrays, so
+    a model of any size costs no memory."""
+
+    def model_and_optimizer() -> tuple[nnx.Module, nnx.Optimizer]:
+        model = create()
+        return model, nnx.Optimizer(model, tx or adamw(), wrt=nnx.Param)
+
+    model, optimizer = abstract(model_and_optimizer)
+    params = nnx.state(model, nnx.Param)
+    trees = {"params": params, "grads": params, "optimizer": nnx.state(optimizer)["opt_state"]}
+    with warnings.catch_warnings():  # what stays whole shows in the bytes
+        warnings.simplefilter("ignore", ReplicationWarning)
+        return {
+            rules.name: {
+                role: resolve(tree, rules, strategy_mesh(rules), role=role).bytes_per_device()
+                for role, tree in trees.items()
+            }
+            for rules in rule_sets
+        }
 
 
 def two_at_a_time(calls: list[Callable[[], Any]]) -> list[Any]:
