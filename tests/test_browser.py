@@ -300,16 +300,21 @@ TABLE_HINTS = """() => [...document.querySelectorAll('.pst-scrollable-table-cont
 """For each table shown: whether it scrolls sideways, and whether a line above it says so."""
 WIDE_CODE = """() => [...document.querySelectorAll('.cell_input pre')]
     .filter(p => p.scrollWidth > p.clientWidth + 1).map(p => p.textContent.slice(0, 60))"""
+WIDE_LISTINGS = """() => [...document.querySelectorAll('.cell_output div.highlight-python pre')]
+    .filter(p => p.scrollWidth > p.clientWidth + 1).map(p => p.textContent.slice(0, 60))"""
+"""The library's source listings that scroll sideways (their lines are up to 100 columns)."""
 
 
 @pytest.mark.parametrize("chapter", CHAPTERS, ids=[c.stem for c in CHAPTERS])
 @pytest.mark.parametrize(("width", "height"), [(1400, 900), (390, 844)], ids=["desktop", "phone"])
 def test_nothing_is_wider_than_the_page(browser, site: str, chapter: Path, width, height) -> None:
-    """Wide tables and code scroll inside their own box; at desktop width code cells fit."""
+    """Wide tables and code scroll inside their own box; at desktop width code cells and the
+    library's listings fit."""
     page = browser.new_page(viewport={"width": width, "height": height})
     page.goto(f"{site}/chapters/{chapter.stem}.html", wait_until="networkidle")
     overflowing = page.evaluate(OVERFLOWING)
     wide_code = page.evaluate(WIDE_CODE)
+    wide_listings = page.evaluate(WIDE_LISTINGS)
     tables = page.evaluate(TABLE_HINTS)
     listings = page.eval_on_selector_all(
         ".cell_output div.highlight-python pre", "ps => ps.map(p => getComputedStyle(p).whiteSpace)"
@@ -323,6 +328,7 @@ def test_nothing_is_wider_than_the_page(browser, site: str, chapter: Path, width
     assert set(listings) <= {"pre"}, "the library's source listings keep their lines whole"
     if width >= 1200:
         assert wide_code == [], "code cells wider than the book's 86 columns"
+        assert wide_listings == [], "listings of the library's source wider than the page"
 
 
 FIGURES = """() => [...document.querySelectorAll('article.bd-article img')].map(img => {
@@ -535,3 +541,43 @@ def test_the_calculator_computes_what_the_library_computes(browser, site: str) -
         for field, value in expected.items():
             assert got[field] == pytest.approx(value, rel=1e-9, abs=1e-12), (field, inputs)
     assert reasons and len(grid) - reasons >= 300  # both kinds of answer, many priced
+
+
+TOGGLES = """(start) => [...document.querySelectorAll('article details.hide')]
+    .filter(d => d.querySelector('summary .collapsed').textContent.trim().startsWith(start))
+    .map(d => d.querySelector('summary .collapsed').textContent.trim())"""
+"""The titles of the folded cells whose toggle starts with `start`."""
+OPENED = """(title) => {
+    const d = [...document.querySelectorAll('article details.hide')].find(
+        d => d.querySelector('summary .collapsed').textContent.trim() === title);
+    const shown = (el) => !!el && el.checkVisibility({contentVisibilityAuto: true})
+        && el.innerText.trim().length > 0;  // closed <details> hide without a zero box
+    const output = d.closest('.cell').querySelector('.cell_output');
+    const source = d.closest('.cell').querySelector('.cell_input');
+    return {open: d.open, source: shown(source), output: shown(output),
+            text: output ? output.innerText.trim() : ''};
+}"""
+"""Whether a folded cell is open, and whether its code and its output are on screen."""
+
+
+@pytest.mark.parametrize("chapter", CHAPTERS, ids=[c.stem for c in CHAPTERS])
+def test_answers_and_folded_checks_open_and_show_their_result(
+    browser, site: str, chapter: Path
+) -> None:
+    """Each problem's answer is folded until the reader opens it, and then shows the code that
+    computed it and the answer; each folded check shows its result and opens onto its code."""
+    page = browser.new_page(viewport={"width": 1280, "height": 900})
+    page.goto(f"{site}/chapters/{chapter.stem}.html", wait_until="networkidle")
+    answers = page.evaluate(TOGGLES, "Answer to problem")
+    checks = page.evaluate(TOGGLES, "Checked: ")
+    assert answers == [f"Answer to problem {k}" for k in range(1, len(answers) + 1)]
+    assert len(answers) >= 4, answers
+    for title in answers + checks:
+        before = page.evaluate(OPENED, title)
+        assert not before["open"] and not before["source"], (title, before)
+        assert before["output"] is (title in checks), (title, before)  # a check shows its result
+        page.locator("article details.hide summary", has_text=title).first.click()
+        after = page.evaluate(OPENED, title)
+        assert after["open"] and after["source"] and after["output"], (title, after)
+        assert len(after["text"]) > 10, (title, after["text"])
+    page.close()
