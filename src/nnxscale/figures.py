@@ -12,16 +12,18 @@ import matplotlib
 import matplotlib.pyplot as plt
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 
 from nnxscale.checkpoint import chunks_read
+from nnxscale.comm import ring_bytes
 from nnxscale.context import Ring
 from nnxscale.costs import LEDGER_PARTS, Hardware, Setup, hardware, ledger, step_cost
 from nnxscale.events import Start
 from nnxscale.init import InitPrograms, abstract
 from nnxscale.layout import Layout, ReplicationWarning, resolve
+from nnxscale.memory import CompiledMemory
 from nnxscale.model import Config, create
 from nnxscale.moe import Routing
 from nnxscale.rules import FSDP, TP, Rules, strategy_mesh
@@ -38,6 +40,7 @@ from nnxscale.schedules import (
     zero_bubble,
     zero_bubble_formula,
 )
+from nnxscale.train import ROLE_NAMES, role_bytes
 
 SUM = "Σ"
 """The label of a block that holds a sum over every device's block."""
@@ -785,7 +788,6 @@ def plot_ring_costs(counted: Mapping[str, tuple[int, float]], max_devices: int =
     """Bytes each device sends over P, against the ring's device count N: the ring formulas as
     lines, and `counted` (collective kind -> (N, bytes sent / P), read off compiled programs)
     as dots on them."""
-    from nnxscale.comm import ring_bytes
 
     counts = np.arange(2, max_devices + 1)
     fig, ax = plt.subplots(figsize=(6, 3))
@@ -810,11 +812,6 @@ def plot_rule_sets(tree: Any, rule_sets: Mapping[str, Any], path: str) -> Figure
     """One array of `tree` (a model, abstract or not, an nnx State or a pytree) laid out by
     each rule set on the mesh it is meant for (`strategy_mesh`): how a strategy cuts a weight.
     An array of more than two dimensions is drawn as its `matrix_view`."""
-    from flax import nnx
-
-    from nnxscale.layout import resolve
-    from nnxscale.rules import strategy_mesh
-
     if isinstance(tree, nnx.Module):
         tree = nnx.state(tree, nnx.Param)
     fig, axes = plt.subplots(1, len(rule_sets), figsize=(3.2 * len(rule_sets), 2.9), squeeze=False)
@@ -866,7 +863,6 @@ def plot_init_memory(programs: InitPrograms) -> Figure:
     programs `programs` compiled: built whole on device 0 and then split (left), or created
     straight into its shards (right). Each bar stacks the program's outputs (the weights) on
     its temporaries; dashed outlines mark what each device keeps after the split."""
-    from nnxscale.memory import CompiledMemory
 
     whole = CompiledMemory.of(programs.whole)
     sharded = CompiledMemory.of(programs.sharded)
@@ -908,7 +904,6 @@ def plot_zero_stages(cfg: Config, rule_sets: Sequence[Rules]) -> Figure:
     """What each device holds of the book's Transformer (`cfg`) and its AdamW state under each
     rule set on all devices, role by role (`nnxscale.train.role_bytes`): parameters, gradients
     and optimizer state stacked, DP's replication beside what ZeRO's stages and FSDP split."""
-    from nnxscale.train import ROLE_NAMES, role_bytes
 
     with warnings.catch_warnings():  # arrays a rule set cannot split show in the bars
         warnings.simplefilter("ignore", ReplicationWarning)
@@ -971,7 +966,6 @@ def plot_tensor_parallel_mlp(layout: Layout, rows: int, block: int = 0) -> Figur
     by columns and the down projection by rows over the mesh axis that splits `mlp`, so the
     hidden activations need no communication and the output is a sum of partial products, one
     all-reduce; `rows` is the batch's rows, split as the layout splits batches."""
-    from jax.sharding import NamedSharding, PartitionSpec
 
     path = next(p.path for p in layout.placements if p.path.endswith(f"blocks/{block}/mlp/up"))
     up = layout.array_at(path)
