@@ -110,3 +110,13 @@ def test_a_size_the_calibration_cannot_name_is_an_error() -> None:
     assert activations.factor(2 * 3 * 3) == {"batch": 1, "seq": 2}
     with pytest.raises(ValueError, match="not a product of the traced sizes"):
         activations.factor(4 * 23)
+
+
+def test_each_trace_is_made_once_whatever_the_dtypes_that_read_it() -> None:
+    policy, dropout = "dots", True  # with dropout: no other test of this module traces it
+    before = activations._trace.cache_info().misses
+    float32 = activations.kept("float32", policy, dropout)
+    bfloat16 = activations.kept("bfloat16", policy, dropout)
+    # float32 and bfloat16, with the policy and without it (for `rebuilt`): 4, not 8
+    assert activations._trace.cache_info().misses - before == 4
+    assert float32.layer != bfloat16.layer

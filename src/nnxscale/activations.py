@@ -204,9 +204,11 @@ def _moe_traced(cfg: Config, dropout: bool, top_k: int, slots: int) -> Traced:
     return _traced(mixed, dropout, PRIMES["batch"], seq, units=units)
 
 
+@functools.cache
 def _trace(cfg: Config, dropout: bool, moe: int) -> Traced:
     """What autodiff keeps for `cfg` at the primes, dense (`moe` 0) or as a mixture whose
-    tokens choose one expert (1) or `top_k` (2)."""
+    tokens choose one expert (1) or `top_k` (2); once per process, since every compute dtype's
+    `kept` reads both the float32 and the bfloat16 trace (read it, do not change it)."""
     if not moe:
         return _traced(cfg, dropout, PRIMES["batch"], PRIMES["seq"])
     return _moe_traced(cfg, dropout, 1 if moe == 1 else TOP_K, CAPACITY)
