@@ -6,12 +6,15 @@ build, 30 s for a chapter. The build executes a chapter per core (book/_ext/nnxs
 so a chapter's time in the build (jupyter-cache records it) is its wall time while another
 chapter runs beside it, and those times add up to more than the build; afterwards each
 chapter is executed again alone, in a fresh kernel, which is the time a reader's "Run all"
-takes and the one the 30 s budget is for. It measures; it asserts nothing.
+takes and the one the 30 s budget is for. It measures; it asserts nothing. With --record it
+writes the chapters' times in the build where the build reads them, to start the longest
+chapter first.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import subprocess
@@ -26,6 +29,7 @@ from nbclient import NotebookClient
 from nnxscale import launch
 
 ROOT = Path(__file__).resolve().parent.parent
+SECONDS = ROOT / "book" / "_ext" / "chapter_seconds.json"
 BUDGET_S = 180.0
 CHAPTER_BUDGET_S = 30.0
 
@@ -63,6 +67,12 @@ def main() -> None:
     parser.add_argument(
         "--devices", type=int, help="emulated devices (default: NNXSCALE_DEVICES or 8)"
     )
+    parser.add_argument(
+        "--record",
+        action="store_true",
+        help=f"write each chapter's time in this build to {SECONDS.relative_to(ROOT)}, the "
+        "order in which later builds start the chapters (the longest first)",
+    )
     args = parser.parse_args()
     env = dict(os.environ)
     if args.devices:
@@ -72,6 +82,8 @@ def main() -> None:
     chapters = executed_in_the_build()
     warm, warm_log = build("build", ".", env=env)
     executed = sum(seconds for _, seconds in chapters)
+    if args.record:
+        SECONDS.write_text(json.dumps({n: round(s, 1) for n, s in chapters}, indent=1) + "\n")
 
     os.environ.update(env)  # the kernels below inherit the device count
     by_itself = [alone(name) for name, _ in chapters]

@@ -39,6 +39,28 @@ def test_digest_follows_the_library_the_pins_and_the_device_count(tree, monkeypa
     assert len(set(digests)) == 5
 
 
+def test_chapters_start_longest_first_and_an_untimed_one_before_all() -> None:
+    records = [
+        SimpleNamespace(uri=f"/book/chapters/{n}.md") for n in ("01_a", "02_b", "03_c", "04_d")
+    ]
+    seconds = {"01_a": 5.0, "02_b": 40.0, "04_d": 20.0}  # 03_c is new: never timed
+    order = [Path(r.uri).stem for r in ext.longest_first(records, seconds)]
+    assert order == ["03_c", "02_b", "04_d", "01_a"]
+    assert [Path(r.uri).stem for r in ext.longest_first(records, {})] == [
+        "01_a",
+        "02_b",
+        "03_c",
+        "04_d",
+    ]  # no record: the source order
+
+
+def test_the_recorded_times_are_of_the_books_chapters() -> None:
+    chapters = {p.stem for p in (ROOT / "chapters").glob("*.md")}
+    recorded = ext.recorded_seconds()
+    assert set(recorded) == chapters, "run benchmarks/build_time.py --record"
+    assert all(seconds > 0 for seconds in recorded.values())
+
+
 def test_treescope_outputs_are_inserted_only_once_parsed() -> None:
     from docutils import nodes
     from docutils.utils import new_document

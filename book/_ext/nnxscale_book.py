@@ -23,6 +23,7 @@ import hashlib
 import importlib
 import importlib.util
 import inspect
+import json
 import logging as stdlib_logging
 import os
 import re
@@ -109,9 +110,10 @@ def execute_chapters(app: Sphinx, env: BuildEnvironment, docnames: list[str]) ->
     jupyter-cache's executor, a chapter per core at a time; a chapter that fails stops the
     build here, with its traceback.
 
-    Each core's thread takes the next chapter as soon as it is free. (jupyter-cache's
-    `local-parallel` executor hands its processes fixed pairs of chapters, which on two cores
-    left one idle at the end: a cold build took 217 s against 196 s this way.)"""
+    Each core's thread takes the next chapter as soon as it is free, the longest first
+    (`longest_first`). (jupyter-cache's `local-parallel` executor hands its processes fixed
+    pairs of chapters, which on two cores left one idle at the end: a cold build took 217 s
+    against 196 s this way.)"""
     config = app.config
     if config.nb_execution_mode != "cache":
         return
@@ -121,6 +123,7 @@ def execute_chapters(app: Sphinx, env: BuildEnvironment, docnames: list[str]) ->
     pending = cache.list_unexecuted(filter_pks=[r.pk for r in records])
     if not pending:
         return
+    pending = longest_first(pending, recorded_seconds())
     names = ", ".join(Path(r.uri).stem for r in pending)
     logger.info(f"executing {len(pending)} chapter(s) with jupyter-cache, one per core: {names}")
     with ThreadPoolExecutor(len(os.sched_getaffinity(0))) as pool:
@@ -130,6 +133,23 @@ def execute_chapters(app: Sphinx, env: BuildEnvironment, docnames: list[str]) ->
         raise ExtensionError("executing a chapter failed:\n" + "\n\n".join(reports))
     for report in reports:  # myst-nb executes these again as it reads them, and reports
         logger.warning(f"executing a chapter failed: {report}")
+
+
+SECONDS = Path(__file__).with_name("chapter_seconds.json")
+"""Each chapter's execution time in the build that `benchmarks/build_time.py --record` last
+timed: only the order in which the chapters start depends on it."""
+
+
+def recorded_seconds(path: Path = SECONDS) -> dict[str, float]:
+    """The recorded execution time of each chapter, by file stem (none if no record)."""
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def longest_first(records: list, seconds: dict[str, float]) -> list:
+    """The chapters' cache records in the order to start them: a chapter without a recorded
+    time first (it may be the longest), then the longest recorded first. Started in source
+    order, the longest chapter could start last, while the other core idles at the end."""
+    return sorted(records, key=lambda r: -seconds.get(Path(r.uri).stem, float("inf")))
 
 
 def _execute(config: object, record: object) -> list[str]:
