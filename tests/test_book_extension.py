@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import json
+import os
 import sys
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+
+from nnxscale import launch
 
 from conftest import ROOT
 
@@ -59,6 +63,56 @@ def test_the_recorded_times_are_of_the_books_chapters() -> None:
     recorded = ext.recorded_seconds()
     assert set(recorded) == chapters, "run benchmarks/build_time.py --record"
     assert all(seconds > 0 for seconds in recorded.values())
+
+
+PROGRAM_READER = """
+import json, sys
+import nnxscale as nx
+nx.emulate_devices()
+import jax
+hits = []
+jax.monitoring.register_event_listener(
+    lambda event, **_: hits.append(event) if event.endswith("cache_hits") else None
+)
+options = nx.TrainOptions(dropout=False, compiler_options=nx.train.FAST_COMPILE)
+trainer = nx.trainer_for(nx.FSDP, model=nx.TINY, options=options)
+batches = nx.book_batches(batch_size=2 * jax.device_count())
+program = trainer.compile(trainer.batch(batches))
+report = nx.collectives(program)
+print(json.dumps({
+    "hits": len(hits),
+    "temp": program.memory_analysis().temp_size_in_bytes,
+    "flops": program.cost_analysis()["flops"],
+    "collectives": sorted((c.kind, c.array_bytes, c.executions) for c in report.collectives),
+    "losses": trainer.train(batches, 2),
+}))
+"""
+
+
+def test_a_program_read_back_from_the_shared_cache_is_the_program_compiled(tmp_path) -> None:
+    """What a chapter reads off a compiled program is the same when a chapter before it
+    compiled the program and the build's shared compilation cache hands it back."""
+    env = {**os.environ, **ext.shared_compilation(tmp_path / "jax")}
+    runs = [
+        json.loads(
+            launch.run([sys.executable, "-c", PROGRAM_READER], 4, env=env).text.splitlines()[-1]
+        )
+        for _ in range(2)
+    ]
+    assert runs[0]["hits"] == 0 and runs[1]["hits"] > 0  # all compiled, then read back
+    first, second = ({k: v for k, v in r.items() if k != "hits"} for r in runs)
+    assert first == second
+    assert first["collectives"]  # FSDP's gathers and reductions, counted in both
+
+
+def test_the_shared_cache_is_locked_and_absolute(tmp_path, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    env = ext.shared_compilation(Path("_build") / ext.COMPILED)
+    assert Path(env["JAX_COMPILATION_CACHE_DIR"]).is_absolute()  # kernels run elsewhere
+    assert int(env["JAX_COMPILATION_CACHE_MAX_SIZE"]) > 0  # a limit: JAX locks the folder
+    import filelock  # what JAX locks it with
+
+    assert filelock.FileLock
 
 
 def test_treescope_outputs_are_inserted_only_once_parsed() -> None:

@@ -118,6 +118,8 @@ def execute_chapters(app: Sphinx, env: BuildEnvironment, docnames: list[str]) ->
     if config.nb_execution_mode != "cache":
         return
     cache = chapter_cache(app)
+    for name, value in shared_compilation(Path(cache.path).parent / COMPILED).items():
+        os.environ.setdefault(name, value)  # the kernels inherit it, and what they start
     paths = [str(env.doc2path(doc)) for doc in docnames if doc.startswith(CHAPTERS)]
     records = [cache.add_nb_to_project(path, read_data=MYST_NOTEBOOK) for path in paths]
     pending = cache.list_unexecuted(filter_pks=[r.pk for r in records])
@@ -133,6 +135,26 @@ def execute_chapters(app: Sphinx, env: BuildEnvironment, docnames: list[str]) ->
         raise ExtensionError("executing a chapter failed:\n" + "\n\n".join(reports))
     for report in reports:  # myst-nb executes these again as it reads them, and reports
         logger.warning(f"executing a chapter failed: {report}")
+
+
+COMPILED = ".jax_cache"
+"""The folder, beside the chapters' outputs, where a build keeps the programs JAX compiled."""
+
+
+def shared_compilation(folder: Path) -> dict[str, str]:
+    """The environment in which the chapters' kernels, and the processes they start, share
+    JAX's persistent compilation cache in `folder`: a program one chapter compiled (the model's
+    initialisers, which every chapter runs, or a step two chapters compile alike) is read
+    back by the next instead of compiled again, which takes about a tenth off the chapters'
+    time on 2 cores. Every program is kept, however quick to compile; the size limit makes
+    JAX lock the folder while it reads or writes (with `filelock`), so that two kernels never
+    read a program half-written. A build after `jupyter-book clean --all` starts empty."""
+    return {
+        "JAX_COMPILATION_CACHE_DIR": str(folder.resolve()),
+        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+        "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
+        "JAX_COMPILATION_CACHE_MAX_SIZE": str(2**30),
+    }
 
 
 SECONDS = Path(__file__).with_name("chapter_seconds.json")
