@@ -353,3 +353,18 @@ def test_the_cpu_compiler_keeps_an_all_reduce_that_each_device_slices() -> None:
     assert set(reduced.reader_arrays) == {(4,)}
     with pytest.raises(RuntimeError, match="compiling on nowhere failed"):
         compiler_passes("nowhere")
+
+
+def test_the_passes_are_dumped_where_a_compilation_cache_holds_the_program(
+    tmp_path, monkeypatch
+) -> None:
+    """A persistent compilation cache (the book's build shares one) holding the program
+    would skip the compiler, and with it the dump: the passes are read all the same."""
+    for name, value in {
+        "JAX_COMPILATION_CACHE_DIR": str(tmp_path),
+        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+        "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
+    }.items():
+        monkeypatch.setenv(name, value)
+    first, second = compiler_passes("cpu", 4), compiler_passes("cpu", 4)
+    assert second.passes == first.passes and "spmd-partitioning" in second.passes

@@ -397,13 +397,15 @@ def compiler_passes(platform: str = "cpu", devices: int = 4) -> PassDump:
     """The passes XLA's `platform` compiler runs on a sum over devices that each device keeps
     a slice of (an all-reduce then a slice: the pattern a reduce-scatter creator rewrites),
     with the module after each that changed it, read from XLA's dump (`--xla_dump_to`,
-    `--xla_dump_hlo_pass_re`) of a fresh process, so this one's JAX is untouched."""
+    `--xla_dump_hlo_pass_re`) of a fresh process, so this one's JAX is untouched, and which
+    compiles even where a persistent compilation cache holds the program."""
     with tempfile.TemporaryDirectory(prefix="nnxscale-passes-") as where:
         flags = (
             f"--xla_force_host_platform_device_count={devices} --xla_dump_to={where} "
             "--xla_dump_hlo_pass_re=.* --xla_dump_hlo_module_re=summed"
         )
-        env = {"JAX_PLATFORMS": platform, "XLA_FLAGS": flags}
+        # a persistent compilation cache would hand the program back uncompiled: no dump
+        env = {"JAX_PLATFORMS": platform, "XLA_FLAGS": flags, "JAX_ENABLE_COMPILATION_CACHE": "0"}
         done = run([sys.executable, "-c", _PASS_PROGRAM], env=env, check=False)
         if done.returncodes != [0]:
             raise RuntimeError(f"compiling on {platform} failed:\n{done.text[-2000:]}")
