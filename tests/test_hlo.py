@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -18,6 +20,8 @@ from nnxscale.hlo import (
     shape_bytes,
 )
 from nnxscale.mesh import make_mesh
+
+from conftest import ROOT
 
 N = 8
 BLOCK = 4  # f32 elements per device
@@ -360,11 +364,10 @@ def test_the_passes_are_dumped_where_a_compilation_cache_holds_the_program(
 ) -> None:
     """A persistent compilation cache (the book's build shares one) holding the program
     would skip the compiler, and with it the dump: the passes are read all the same."""
-    for name, value in {
-        "JAX_COMPILATION_CACHE_DIR": str(tmp_path),
-        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
-        "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
-    }.items():
+    sys.path.insert(0, str(ROOT / "book" / "_ext"))
+    from nnxscale_book import shared_compilation
+
+    for name, value in shared_compilation(tmp_path).items():
         monkeypatch.setenv(name, value)
     first, second = compiler_passes("cpu", 4), compiler_passes("cpu", 4)
     assert second.passes == first.passes and "spmd-partitioning" in second.passes
