@@ -102,7 +102,7 @@ def main() -> None:
     parser.add_argument("--devices", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
-    emulate_devices(args.devices)
+    emulate_devices(args.devices, optimize=True)  # timed: XLA's own compiler options
 
     workdir = Path(tempfile.mkdtemp(prefix="nnxscale-bench-checkpoints-"))
     try:

@@ -40,7 +40,7 @@ def main() -> None:
     parser.add_argument("--devices", type=int, default=8)
     parser.add_argument("--steps", type=int, default=10)
     args = parser.parse_args()
-    emulate_devices(args.devices)
+    emulate_devices(args.devices, optimize=True)  # timed: XLA's own compiler options
     batches = Batches(encode(arithmetic_text(20_000)), BATCH, LENGTH)
     mesh = strategy_mesh(FSDP)
     ring = (args.devices - 1) / args.devices  # (N-1)/N

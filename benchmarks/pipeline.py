@@ -44,7 +44,7 @@ def main() -> None:
     parser.add_argument("--devices", type=int, default=8)
     parser.add_argument("--steps", type=int, default=10)
     args = parser.parse_args()
-    emulate_devices(args.devices)
+    emulate_devices(args.devices, optimize=True)  # timed: XLA's own compiler options
     p = max(s for s in (1, 2, 4) if s <= args.devices)
     mesh = pipeline.pipeline_mesh(p)
     rows = []

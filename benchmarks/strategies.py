@@ -27,7 +27,7 @@ def worker(steps: int) -> None:
     """Measure every strategy on this process's devices; print one JSON line per strategy."""
     from nnxscale.devices import emulate_devices
 
-    emulate_devices()
+    emulate_devices(optimize=True)  # timed: XLA's own compiler options
     import jax
     import optax
 

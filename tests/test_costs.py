@@ -21,7 +21,7 @@ from nnxscale.memory import CompiledMemory
 from nnxscale.model import TINY, Config, count_params, create
 from nnxscale.planner import TOLERANCE
 from nnxscale.rules import STRATEGIES, strategy_mesh
-from nnxscale.train import FAST_COMPILE, Trainer, compile_all, trainer_for
+from nnxscale.train import FAST_COMPILE, OPTIMIZED, Trainer, compile_all, trainer_for
 
 CORPUS = encode(arithmetic_text(4000))
 BATCHES = Batches(CORPUS, batch_size=8, length=32)
@@ -49,7 +49,7 @@ def compiled_peak(program: jax.stages.Compiled) -> int:
 @pytest.mark.parametrize("name", ["FSDP+TP", "FSDP+CP"])
 def test_fast_compile_changes_only_a_few_hundred_bytes_of_temporaries(name: str) -> None:
     programs = []
-    for options in (None, FAST_COMPILE):
+    for options in (OPTIMIZED, FAST_COMPILE):
         rules = STRATEGIES[name]
         run = Trainer.create(
             create(TINY), optax.adam(1e-3), rules, strategy_mesh(rules, 4),

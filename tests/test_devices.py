@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from nnxscale.devices import requested_devices
+from nnxscale.devices import fast_compile_flags, requested_devices
 
 from conftest import run_python
 
@@ -118,3 +118,44 @@ def test_native_is_read_from_the_environment(monkeypatch: pytest.MonkeyPatch) ->
 def test_bad_argument_is_named_as_an_argument() -> None:
     with pytest.raises(ValueError, match="device count 0 is not a device count"):
         requested_devices(0)
+
+
+COMPILED_AS = """
+import os, jax, jax.numpy as jnp, numpy as np
+from nnxscale.devices import emulate_devices
+from nnxscale.train import FAST_COMPILE, OPTIMIZED
+emulate_devices(2{optimize})
+x = jax.random.normal(jax.random.key(0), (4096,))
+def results(options):
+    step = jax.jit(lambda x: (jnp.tanh(x), jax.nn.log_softmax(x), jnp.outer(x, x[:64]) @ x[:64]))
+    return np.concatenate([np.ravel(r) for r in step.lower(x).compile(compiler_options=options)(x)])
+plain, fast, optimized = results(None), results(FAST_COMPILE), results(OPTIMIZED)
+print(os.environ.get("XLA_FLAGS", ""))
+print(np.array_equal(plain, fast), np.array_equal(plain, optimized))
+"""
+
+
+def test_emulated_devices_compile_every_program_fast_by_default() -> None:
+    # A program compiled with no options comes out bit for bit as FAST_COMPILE's, and not as
+    # XLA's defaults' (whose vectorised tanh rounds differently).
+    out = run_python(COMPILED_AS.format(optimize=""), XLA_FLAGS="")  # not this process's
+    assert out.returncodes == [0], out.text
+    assert "--xla_backend_optimization_level=0" in out.output[-2]
+    assert out.output[-1].split() == ["True", "False"]
+
+
+def test_optimize_keeps_xla_defaults() -> None:
+    out = run_python(COMPILED_AS.format(optimize=", optimize=True"), XLA_FLAGS="")
+    assert out.returncodes == [0], out.text
+    assert "xla_backend_optimization_level" not in out.output[-2]
+    assert out.output[-1].split() == ["False", "True"]
+
+
+def test_a_readers_own_xla_flags_win() -> None:
+    flags = fast_compile_flags("--xla_backend_optimization_level=2 --xla_dump_to=/tmp/d")
+    assert flags.split() == [
+        "--xla_backend_optimization_level=2",
+        "--xla_dump_to=/tmp/d",
+        "--xla_cpu_use_fusion_emitters=false",
+    ]
+    assert fast_compile_flags(flags) == flags  # emulating twice adds nothing

@@ -125,11 +125,16 @@ def check_optimizer(tx: optax.GradientTransformation) -> None:
 
 
 FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_cpu_use_fusion_emitters": False}
-"""Compiler options for steps compiled to be read more than run: the backend's (LLVM's)
+"""Compiler options for programs compiled to be read more than run: the backend's (LLVM's)
 optimisations off, and on a CPU its older fusion emitters instead of the MLIR ones, which
 together cut the compile time by about two thirds. The program's HLO, collectives and
 products are as they are; its temporaries differ by a few hundred bytes (at most 1 KiB
-either way, a test compares both ways). Other backends ignore the CPU's option."""
+either way, a test compares both ways). Other backends ignore the CPU's option. Emulated
+CPU devices compile every program this way unless asked not to (`emulate_devices`)."""
+
+OPTIMIZED = {"xla_backend_optimization_level": 3, "xla_cpu_use_fusion_emitters": True}
+"""XLA's own defaults for the options `FAST_COMPILE` sets: for a program that is timed, on
+emulated devices that compile fast by default."""
 
 LEARNING_RATE = 3e-3
 """The chapters' learning rate: one AdamW step moves a weight by about this much."""
