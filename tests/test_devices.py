@@ -159,3 +159,14 @@ def test_a_readers_own_xla_flags_win() -> None:
         "--xla_cpu_use_fusion_emitters=false",
     ]
     assert fast_compile_flags(flags) == flags  # emulating twice adds nothing
+
+
+def test_emulating_spares_the_garbage_collector() -> None:
+    code = (
+        "import gc; from nnxscale.devices import emulate_devices, GC_THRESHOLD\n"
+        "emulate_devices(2)\n"
+        "print(gc.get_freeze_count() > 10_000, gc.get_threshold() == GC_THRESHOLD)"
+    )
+    out = run_python(code)
+    assert out.returncodes == [0], out.text
+    assert out.output[-1].split() == ["True", "True"]
