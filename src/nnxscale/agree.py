@@ -29,6 +29,15 @@ from nnxscale.trees import flat
 LOSS_ULPS = 16
 """Loss gap allowed, in ulps of the first loss: a few per step for sums in another order."""
 
+
+def order_ulps(terms: int) -> float:
+    """How many ulps two float32 sums (or means) of the same `terms` values may lie apart when
+    they add them in different orders: each addition rounds by up to half an ulp, in either
+    direction, so the errors add up like a random walk, to about the square root of `terms`.
+    A sum that leaves out or double-counts a part of its terms is off by far more."""
+    return float(np.sqrt(terms))
+
+
 WEIGHT_GAP = 1e-3
 """Weight gap allowed after SGD, relative to how far each array moved (`Agreement`): a correct
 strategy stays near 1e-6 (float32 rounding), a missing reduction is off by the share of the
