@@ -23,7 +23,7 @@ from jax.sharding import Mesh
 
 from nnxscale.mesh import axis_kind, make_mesh
 from nnxscale.rules import Rules
-from nnxscale.train import FAST_COMPILE, Trainer
+from nnxscale.train import Trainer
 from nnxscale.trees import flat
 
 LOSS_ULPS = 16
@@ -116,13 +116,11 @@ def agreement(
     """Train `make()`'s model `steps` steps with SGD under `rules` on `mesh` and on one device
     (`reference`: default `mesh`'s axes on its first device), from the same initial weights,
     and measure how far apart the losses and weights end. `options` go to `Trainer.create`
-    (`loss_fn=...`; the steps compile with `FAST_COMPILE` unless `compiler_options` says
-    otherwise: the question is the values, and both runs compile alike). Assert on the result
+    (`loss_fn=...`, `compiler_options=...`: both runs compile alike). Assert on the result
     with `.check()`.
 
     The model is made on one device and copied into each layout, so both runs start from the
     same weights whatever the initialisers do."""
-    options.setdefault("compiler_options", FAST_COMPILE)
     runs = []
     for where in (reference or one_device_mesh(mesh), mesh):
         with nnx.use_eager_sharding(False):
