@@ -170,3 +170,16 @@ def test_emulating_spares_the_garbage_collector() -> None:
     out = run_python(code)
     assert out.returncodes == [0], out.text
     assert out.output[-1].split() == ["True", "True"]
+
+
+def test_native_on_one_accelerator_keeps_it_beside_the_emulated_devices() -> None:
+    # what a one-GPU machine reports, without one: the CPU devices come first, the default
+    code = (
+        "import nnxscale.devices as d; d.native_devices = lambda: (1, 'gpu', 'cuda'); "
+        "d.emulate_devices('native'); import jax, os; "
+        "print(jax.config.jax_platforms, os.environ['XLA_PYTHON_CLIENT_PREALLOCATE'])"
+    )
+    out = run_python(code)
+    assert out.returncodes == [0], out.text
+    assert "with the gpu beside them as jax.devices('gpu')" in out.text
+    assert out.output[-1] == "cpu,cuda false"

@@ -40,9 +40,11 @@ from nnxscale import (
     moe,
     multi,
     naming,
+    overlap,
     params,
     pipeline,
     planner,
+    profiles,
     program,
     rules,
     schedules,
@@ -132,7 +134,7 @@ __all__ = [
 MODULES = (
     activations, agree, calculator, checkpoint, cli, comm, context, costs, data, devices,
     environment, events, figures, formula, fsdp, hlo, init, integrity, launch, layout, losses,
-    machine, memory, mesh, model, moe, multi, naming, params, pipeline, planner, program, rules,
-    schedules, show, train, trees,
+    machine, memory, mesh, model, moe, multi, naming, overlap, params, pipeline, planner, profiles,
+    program, rules, schedules, show, train, trees,
 )  # fmt: skip
 """The modules, each reached as `nx.<module>`: the rest of the library, spelled with its home."""

@@ -44,10 +44,15 @@ def _backend_started() -> bool:
     return xla_bridge.backends_are_initialized()
 
 
-def native_devices() -> tuple[int, str]:
-    """How many devices JAX finds on its own, and their platform, asked of a fresh process
-    (so that this one can still choose to emulate)."""
-    probe = "import jax; d = jax.devices(); print('found', len(d), d[0].platform)"
+def native_devices() -> tuple[int, str, str]:
+    """How many devices JAX finds on its own, their platform (`gpu`) and the name its backend
+    is registered under (`cuda`, what `jax_platforms` takes), asked of a fresh process (so
+    that this one can still choose to emulate)."""
+    probe = (
+        "import jax; from jax._src import xla_bridge as xb; d = jax.devices(); "
+        "name = next((k for k, b in xb.backends().items() if b is d[0].client), d[0].platform); "
+        "print('found', len(d), d[0].platform, name)"
+    )
     done = run([sys.executable, "-c", probe], timeout=600, check=False)
     if done.returncodes != [0]:
         raise RuntimeError(
@@ -56,8 +61,8 @@ def native_devices() -> tuple[int, str]:
             "devices instead."
         )
     found = next(line for line in done.output if line.startswith("found "))
-    _, count, platform = found.split()
-    return int(count), platform
+    _, count, platform, name = found.split()
+    return int(count), platform, name
 
 
 def fast_compile_flags(flags: str) -> str:
@@ -80,8 +85,10 @@ def emulate_devices(count: int | str | None = None, *, optimize: bool = False) -
     Forces the CPU platform, so that a Colab GPU runtime also gets the emulated devices.
     With `native`, JAX uses the accelerators it finds, unless there are fewer than two (a
     one-GPU runtime): with one device nothing is distributed, so it emulates 8 CPU devices
-    instead and says so. Calling it again with the same count is harmless; asking for another
-    count after JAX started raises EmulationTooLateError, which says to restart the runtime.
+    instead and says so, and keeps the accelerator beside them (`jax.devices("gpu")`, not
+    the default) for what runs on one device, such as a profile. Calling it again with the
+    same count is harmless; asking for another count after JAX started raises
+    EmulationTooLateError, which says to restart the runtime.
     Returns the emulated count, or None when JAX uses the devices it found.
 
     Emulated devices compile every program with `nnxscale.train.FAST_COMPILE` (`XLA_FLAGS`,
@@ -91,21 +98,23 @@ def emulate_devices(count: int | str | None = None, *, optimize: bool = False) -
     a program can also ask for them (`compiler_options=nnxscale.train.OPTIMIZED`). Python's
     garbage collector is told to scan less (`collect_less`), which speeds up tracing.
     """
-    wanted = requested_devices(count)
+    wanted, beside = requested_devices(count), None
     if wanted is None:
         if _backend_started():
             import jax
 
             emulated = jax.config.jax_num_cpu_devices
             return emulated if jax.devices()[0].platform == "cpu" and emulated > 0 else None
-        found, platform = native_devices()
+        found, platform, backend = native_devices()
         if found >= MINIMUM_NATIVE:
             return None
         wanted = DEFAULT_DEVICES
+        beside = backend if platform != "cpu" else None
         print(
             f"JAX finds {found} {platform} device(s) here, and with one device nothing is "
-            f"distributed: this notebook runs on {wanted} emulated CPU devices instead. "
-            f"For another count set {DEVICES_ENV} (1 to 16) and restart."
+            f"distributed: this notebook runs on {wanted} emulated CPU devices instead"
+            + (f", with the {platform} beside them as jax.devices({platform!r})" if beside else "")
+            + f". For another count set {DEVICES_ENV} (1 to 16) and restart."
         )
     import jax
 
@@ -121,7 +130,9 @@ def emulate_devices(count: int | str | None = None, *, optimize: bool = False) -
         )
     if not optimize:
         os.environ["XLA_FLAGS"] = fast_compile_flags(os.environ.get("XLA_FLAGS", ""))
-    jax.config.update("jax_platforms", "cpu")
+    if beside:  # the CPU devices first, so they are the default; the accelerator idles
+        os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    jax.config.update("jax_platforms", f"cpu,{beside}" if beside else "cpu")
     jax.config.update("jax_num_cpu_devices", wanted)
     collect_less()
     return wanted

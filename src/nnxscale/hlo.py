@@ -13,7 +13,7 @@ import re
 import sys
 import tempfile
 from collections import Counter
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -310,20 +310,33 @@ def collectives(program: object) -> CollectiveReport:
 
 
 _CONTRACTING = re.compile(r"lhs_contracting_dims=\{([\d,]*)\}")
+_GEMM_CONTRACTING = re.compile(r'"lhs_contracting_dimensions"\s*:\s*\[([^\]]*)\]')
 
 
-def _flops(ins: Instruction, computation: dict[str, Instruction]) -> int:
-    """2 x the output's elements x the contracted size of one dot."""
+def gemm_flops(ins: Instruction, computation: Mapping[str, Instruction]) -> int:
+    """2 x the output's elements x the contracted size of one dot, or of a library call that
+    is one (a GPU's `__cublas$gemm` custom call, its dimensions in its backend config); 0
+    for any other instruction."""
+    if ins.opcode == "dot":
+        found, shape = _CONTRACTING.search(ins.attributes), ins.shape
+    elif ins.opcode == "custom-call":
+        found, shape = _GEMM_CONTRACTING.search(ins.attributes), ins.shape.lstrip("(")
+    else:
+        return 0
+    if found is None or ins.operands[0] not in computation:
+        return 0
     dims = _ints(_ARRAY.findall(computation[ins.operands[0]].shape)[0][1])
-    contracted = math.prod(dims[i] for i in _ints(_CONTRACTING.search(ins.attributes)[1]))
-    return 2 * math.prod(_ints(_ARRAY.findall(ins.shape)[0][1])) * contracted
+    contracted = math.prod(dims[i] for i in _ints(found[1].replace('"', "")))
+    return 2 * math.prod(_ints(_ARRAY.findall(shape)[0][1])) * contracted
 
 
 def _dots(read: Program, start: str | None = None) -> Iterator[tuple[int, int]]:
-    """(executions, FLOPs) of every dot a call of the program (or of `start`) runs."""
+    """(executions, FLOPs) of every matrix product a call of the program (or of `start`)
+    runs: each dot, and each library call that is one."""
     for name, ins, executions in read.walk(start):
-        if ins.opcode == "dot":
-            yield executions, _flops(ins, read.computations[name])
+        flops = gemm_flops(ins, read.computations[name])
+        if flops:
+            yield executions, flops
 
 
 def dot_flops(program: object) -> int:

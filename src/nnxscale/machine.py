@@ -7,50 +7,138 @@ machine's step times with the same functions it uses for datasheet accelerators.
 
 from __future__ import annotations
 
-import statistics
+import dataclasses
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from nnxscale.costs import Hardware
 
 
-def _median_seconds(fn: Callable[[], jax.Array], repeats: int) -> float:
-    """The median wall time of `fn()` over `repeats` calls after one warm-up, results ready."""
+def optimized(fn: Callable[..., jax.Array], *args: jax.Array) -> Callable[[], jax.Array]:
+    """`fn` on `args` compiled with XLA's own optimisations (`nnxscale.train.OPTIMIZED`),
+    whatever the process's defaults: emulated devices compile without them, and a measured
+    peak must be the backend's best."""
+    from nnxscale.train import OPTIMIZED
+
+    compiled = jax.jit(fn).lower(*args).compile(compiler_options=OPTIMIZED)
+    return lambda: compiled(*args)
+
+
+def _seconds(fn: Callable[[], jax.Array]) -> float:
+    """Wall seconds of one call of `fn`, its result ready."""
+    start = time.perf_counter()
     jax.block_until_ready(fn())
-    times = []
+    return time.perf_counter() - start
+
+
+@dataclasses.dataclass
+class Probe:
+    """Yardsticks of a device, or of several at once, compiled once: on each, a `size` x
+    `size` matrix product in `dtype` and an elementwise pass over a float32 array of
+    `megabytes` (by default 2,048 and 64 MB on a CPU, 8,192 and 2 GB on an accelerator, the
+    work split between several devices, at least 32 MB on each: far beyond the caches, and a
+    product about as long as a small training step, so that both see the same share of a
+    busy machine). On
+    several devices they all run at once and the probe measures what they reach together:
+    emulated CPU devices share one machine's cores
+    and memory. Each `sample()` times both once more and keeps the fastest so far: a peak is
+    what the devices can do, and a run that shared the cores with other work (another
+    program) is only ever slower."""
+
+    device: jax.Device | Sequence[jax.Device]
+    dtype: str = "float32"
+    size: int = 0
+    megabytes: int = 0
+    flops: float = 0.0
+    hbm: float = 0.0
+
+    def __post_init__(self) -> None:
+        devices = [self.device] if isinstance(self.device, jax.Device) else list(self.device)
+        cpu = devices[0].platform == "cpu"  # an accelerator needs far larger work to fill
+        n = len(devices)  # by default the same work in all, split between the devices
+        self.size = self.size or 64 * round((2048 if cpu else 8192) / n ** (1 / 3) / 64)
+        self.megabytes = self.megabytes or max(32, (64 if cpu else 2048) // n)  # > caches
+        split = NamedSharding(Mesh(np.array(devices), ("d",)), PartitionSpec("d"))
+        elements = self.megabytes * 2**20 // 4
+        a = jax.device_put(jnp.ones((n, self.size, self.size), self.dtype), split)
+        x = jax.device_put(jnp.ones((n * elements,), jnp.float32), split)
+        self._product = optimized(jnp.matmul, a, a)  # one product on each device
+        self._stream = optimized(lambda v: v * 1.5 + 0.5, x)
+        self._flops = n * 2 * self.size**3
+        self._moved = 2 * x.nbytes  # read once, written once
+        self._kind = f"{devices[0].platform}: {devices[0].device_kind}" + (
+            f", {n} at once" if n > 1 else ""
+        )
+        jax.block_until_ready((self._product(), self._stream()))  # warm up
+
+    def sample(self) -> None:
+        """Time the product and the pass once each; keep the best FLOP/s and bytes/s seen."""
+        self.flops = max(self.flops, self._flops / _seconds(self._product))
+        self.hbm = max(self.hbm, self._moved / _seconds(self._stream))
+
+    def hardware(self, memory: float = 0.0) -> Hardware:
+        """The devices as the time model sees one device (no links); `memory` bytes if given
+        (the cost model's fit checks need it, the time model does not)."""
+        name = f"this machine ({self._kind})"
+        return Hardware(
+            name, self.flops, memory, self.hbm, 0.0, 0.0, 1, False, 0.0, 0.0, "measured"
+        )
+
+
+def measure(
+    dtype: str = "float32",
+    memory: float = 0.0,
+    device: jax.Device | None = None,
+    repeats: int = 5,
+) -> Hardware:
+    """This machine's `device` (default: the first) as the time model sees it: its matmul
+    FLOP/s in `dtype` and its memory bandwidth, the fastest of `repeats` samples (`Probe`)."""
+    probe = Probe(device or jax.devices()[0], dtype)
     for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(fn())
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        probe.sample()
+    return probe.hardware(memory)
 
 
-def matmul_flops(size: int = 2048, dtype: str = "float32", repeats: int = 5) -> float:
-    """FLOP/s of one `size` x `size` matrix product in `dtype` on the first device."""
-    device = jax.devices()[0]
-    a = jax.device_put(jnp.ones((size, size), dtype), device)
-    b = jax.device_put(jnp.ones((size, size), dtype), device)
-    product = jax.jit(jnp.matmul)
-    return 2 * size**3 / _median_seconds(lambda: product(a, b), repeats)
+def alongside(timed: Callable[[], float], probe: Probe, repeats: int = 3) -> tuple[float, Hardware]:
+    """The fastest of `repeats` calls of `timed` (each returns the seconds it measured), and
+    the device `probe` measures between them. A time and a peak measured minutes apart on a
+    machine that other work shares at times can disagree by a factor of two; measured in
+    turn, the fastest of each saw the same machine. The probe starts afresh and keeps the
+    best of these samples."""
+    probe.flops = probe.hbm = 0.0
+    best = float("inf")
+    for _ in range(repeats):
+        best = min(best, timed())
+        probe.sample()
+    return best, probe.hardware()
 
 
-def memory_bandwidth(megabytes: int = 256, repeats: int = 5) -> float:
-    """Bytes per second an elementwise pass over a float32 array of `megabytes` reads and
-    writes on the first device."""
-    device = jax.devices()[0]
-    x = jax.device_put(jnp.ones((megabytes * 2**20 // 4,), jnp.float32), device)
-    scale = jax.jit(lambda v: v * 1.5 + 0.5)
-    return 2 * x.nbytes / _median_seconds(lambda: scale(x), repeats)
+def emulated(hw: Hardware, devices: int) -> Hardware:
+    """One of `devices` emulated devices that share the machine `hw` describes (measured
+    with all of them at once: `Probe(jax.devices())`): each gets a `devices`-th of its
+    FLOP/s and memory bandwidth, and its collectives are copies through that memory (no
+    link is faster), so the time model can predict emulated steps."""
+    share = hw.hbm / devices
+    return dataclasses.replace(
+        hw,
+        name=f"{hw.name}, 1/{devices} of it",
+        flops=hw.flops / devices,
+        hbm=share,
+        fast=share,
+        slow=share,
+        domain=devices,
+    )
 
 
-def measure(dtype: str = "float32", memory: float = 0.0) -> Hardware:
-    """This machine's first device as the time model sees it: measured matmul FLOP/s in
-    `dtype` and memory bandwidth; `memory` bytes if given (the cost model's fit checks need
-    it, the time model does not). One device: no links."""
-    device = jax.devices()[0]
-    name = f"this machine ({device.platform}: {device.device_kind})"
-    flops, bandwidth = matmul_flops(dtype=dtype), memory_bandwidth()
-    return Hardware(name, flops, memory, bandwidth, 0.0, 0.0, 1, False, 0.0, 0.0, "measured")
+def time_step(
+    trainer: Any, batches: Callable[..., Any], probe: Probe, repeats: int = 3
+) -> tuple[float, Hardware]:
+    """The fastest of `repeats` steps of `trainer` (a `nnxscale.Trainer`, compiled) on
+    `batches`, and the devices `probe` measures between them (`alongside`)."""
+    return alongside(lambda: trainer.time_steps(batches, 1, first=10)[0], probe, repeats)

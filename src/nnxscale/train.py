@@ -17,7 +17,7 @@ import time
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from functools import partial
+from functools import cache, partial
 from typing import Any
 
 import jax
@@ -27,6 +27,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
+from jaxlib import version as jaxlib_version
 
 from nnxscale.data import check_batch_splits
 from nnxscale.init import abstract, compile_init
@@ -124,17 +125,39 @@ def check_optimizer(tx: optax.GradientTransformation) -> None:
         )
 
 
-FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_cpu_use_fusion_emitters": False}
-"""Compiler options for programs compiled to be read more than run: the backend's (LLVM's)
-optimisations off, and on a CPU its older fusion emitters instead of the MLIR ones, which
-together cut the compile time by about two thirds. The program's HLO, collectives and
-products are as they are; its temporaries differ by a few hundred bytes (at most 1 KiB
-either way, a test compares both ways). Other backends ignore the CPU's option. Emulated
-CPU devices compile every program this way unless asked not to (`emulate_devices`)."""
+FUSION_EMITTERS = "xla_cpu_use_fusion_emitters"
+"""XLA's CPU option to choose its MLIR fusion emitters, which jaxlib 0.11 removed: there, in
+`XLA_FLAGS` it aborts the process, and as a compile option it is refused."""
 
-OPTIMIZED = {"xla_backend_optimization_level": 3, "xla_cpu_use_fusion_emitters": True}
+_EMITTERS = jaxlib_version.__version_info__ < (0, 11)
+
+FAST_COMPILE = {"xla_backend_optimization_level": 0} | (
+    {FUSION_EMITTERS: False} if _EMITTERS else {}
+)
+"""Compiler options for programs compiled to be read more than run: the backend's (LLVM's)
+optimisations off, and on a CPU before jaxlib 0.11 its older fusion emitters instead of the
+MLIR ones, which together cut the compile time by about two thirds. The program's HLO,
+collectives and products are as they are; its temporaries differ by a few hundred bytes (at
+most 1 KiB either way, a test compares both ways). Emulated CPU devices compile every
+program this way unless asked not to (`emulate_devices`)."""
+
+OPTIMIZED = {"xla_backend_optimization_level": 3} | ({FUSION_EMITTERS: True} if _EMITTERS else {})
 """XLA's own defaults for the options `FAST_COMPILE` sets: for a program that is timed, on
 emulated devices that compile fast by default."""
+
+
+@cache
+def accepts(platform: str, option: str, value: Any) -> bool:
+    """Whether the backend of `platform` compiles a program with `option` set to `value`:
+    XLA refuses an option it does not know, and each release adds and removes some."""
+    where = jax.sharding.SingleDeviceSharding(jax.devices(platform)[0])
+    probe = jax.jit(lambda x: x + 1).lower(jax.ShapeDtypeStruct((), jnp.float32, sharding=where))
+    try:
+        probe.compile(compiler_options={option: value})
+    except jax.errors.JaxRuntimeError:  # "No such compile option", or a value it cannot read
+        return False
+    return True
+
 
 LEARNING_RATE = 3e-3
 """The chapters' learning rate: one AdamW step moves a weight by about this much."""
@@ -255,9 +278,11 @@ def train_step(
             ts.ema[path][...] = decay * ts.ema[path][...] + (1 - decay) * param[...]
         return nnx.state(ts)
 
-    finite = all_finite(loss, grads, trial_update(ts.optimizer, ts.model, grads))
-    ts = nnx.merge(graphdef, jax.lax.cond(finite, update, lambda values: values, nnx.state(ts)))
-    ts.optimizer.step[...] = counter + 1
+    with jax.named_scope("optimizer"):  # names the update's ops in profiles
+        finite = all_finite(loss, grads, trial_update(ts.optimizer, ts.model, grads))
+        values = jax.lax.cond(finite, update, lambda values: values, nnx.state(ts))
+        ts = nnx.merge(graphdef, values)
+        ts.optimizer.step[...] = counter + 1
     return nnx.state(ts), jnp.where(finite, loss, jnp.nan)
 
 
