@@ -497,7 +497,7 @@ def test_the_calculator_computes_what_the_library_computes(browser, site: str) -
     from nnxscale.model import Config
     from nnxscale.rules import STRATEGIES
 
-    page, problems = open_page(browser, f"{site}/chapters/11_choosing_a_strategy.html")
+    page, problems = open_page(browser, f"{site}/chapters/12_choosing_a_strategy.html")
     grid = calculator_grid()
     shown = page.evaluate(CALCULATOR, grid)
     page.close()

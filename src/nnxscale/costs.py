@@ -160,7 +160,7 @@ def activation_bytes(
     split over `model`; sequence parallelism splits the residual stream's 4E too; a `flash`
     attention keeps no scores), plus the head's; with remat each layer's input and one layer
     rebuilt. What a compiled program keeps lies above it: the ledger uses `Costs.activations`,
-    calibrated on autodiff, and chapter 11 compares the two."""
+    calibrated on autodiff, and chapter 12 compares the two."""
     tokens = sequences * seq / context
     width = DTYPE_BYTES[cfg.compute_dtype]
     residual = 4 * cfg.embed / (model if sequence_parallel else 1)

@@ -4,7 +4,7 @@ For each rule set the model can use, the planner enumerates every factorisation 
 device count into the rule set's mesh axes (tensor parallelism no wider than a fast domain,
 such as one host), every number of micro-batches the batch allows (gradient accumulation, or
 a pipeline's), and every remat policy; it keeps those whose predicted peak memory, times the
-headroom chapter 11 measured, fits the device, and ranks them by predicted step time. It
+headroom chapter 12 measured, fits the device, and ranks them by predicted step time. It
 says why each rule set that has no such option was rejected. A mixture of experts adds the
 expert-parallel rule sets.
 """
@@ -32,7 +32,7 @@ from nnxscale.show import Markdown, table
 
 TOLERANCE = (0.7, 1.3)
 """How far a compiled step's peak memory may lie from the ledger's prediction (compiled /
-predicted), over every strategy chapter 11 and the tests compile: below where XLA fuses
+predicted), over every strategy chapter 12 and the tests compile: below where XLA fuses
 elementwise chains and keeps fewer values than autodiff asks for, above where a scanned
 loop materialises its stacked activations and working set."""
 
@@ -54,7 +54,7 @@ PLANNED = (
 )
 """The rule sets the planner considers for a dense model (their names in `STRATEGIES`). Not
 ZeRO-1: XLA's partitioner splits a gradient that only the split update reads, so ZeRO-1
-compiles to ZeRO-2's program (chapter 11 asserts it)."""
+compiles to ZeRO-2's program (chapter 12 asserts it)."""
 
 EXPERT_PLANNED = ("EP", "FSDP+EP")
 """The rule sets the planner adds for a mixture of experts."""
