@@ -226,3 +226,21 @@ def test_step_options_ask_each_backend_only_for_what_it_knows() -> None:
     assert options == OPTIMIZED | {"xla_cpu_enable_xprof_traceme": True}
     assert nx.train.accepts("cpu", "xla_backend_optimization_level", 3)
     assert not nx.train.accepts("cpu", "xla_no_such_option_anywhere", True)
+
+
+def test_the_wait_for_the_last_device_is_read_off_the_starts() -> None:
+    def row(device: int, start: float, duration: float) -> profiles.Timed:
+        return profiles.Timed(
+            "all-reduce.1", device, "collective", "backward", 1.0, 1.0, 0, 8, 1,
+            (start,), (duration,),
+        )  # fmt: skip
+
+    # device 0 arrives at 0 and waits 6 of its 8; device 1 arrives last and waits none
+    assert profiles.waiting([row(0, 0.0, 8.0), row(1, 6.0, 2.0)]) == pytest.approx(0.6)
+    assert profiles.waiting([]) == 0.0
+
+
+def test_an_op_that_takes_no_time_takes_no_share(tmp_path: Path) -> None:
+    _trace_file(tmp_path, [_op("a.1", 0.0, 0.0), _op("b.2", 5.0, 2.0)])
+    share = profiles.shared(profiles.read(tmp_path).ops)
+    assert sorted(share.values()) == [2.0]

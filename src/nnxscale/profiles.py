@@ -218,7 +218,8 @@ def shared(ops: Iterable[Op]) -> dict[Op, float]:
         for o in lane:
             starting[o.start].append(o)
         for here, after in itertools.pairwise(edges):
-            running = {o for o in running if o.end > here} | set(starting[here])
+            running = {o for o in running if o.end > here}
+            running |= {o for o in starting[here] if o.end > here}
             for o in running:
                 share[o] += (after - here) / len(running)
     return share
@@ -372,6 +373,24 @@ def breakdown(rows: Iterable[Timed], by: str = "kind") -> dict[str, float]:
     for r in rows:
         total[getattr(r, by)] += r.seconds / devices
     return total
+
+
+def waiting(rows: Iterable[Timed]) -> float:
+    """The share of the collectives' time their devices spent waiting for the last device
+    to arrive: for each execution of each collective, each device's start against the
+    latest start among the devices of the profile (one group, as when a collective spans
+    every device), at most its duration."""
+    by_name: dict[str, list[Timed]] = defaultdict(list)
+    for r in rows:
+        if r.kind == "collective":
+            by_name[r.name].append(r)
+    waited = total = 0.0
+    for group in by_name.values():
+        for k in range(min(len(r.starts) for r in group)):
+            last = max(r.starts[k] for r in group)
+            waited += sum(min(r.durations[k], last - r.starts[k]) for r in group)
+            total += sum(r.durations[k] for r in group)
+    return waited / total if total else 0.0
 
 
 def ridge(hw: Hardware) -> float:
