@@ -72,12 +72,17 @@ def test_the_shares_of_a_device_add_up_to_its_busy_time(profiled: profiles.Profi
     assert total == pytest.approx(sum(r.seconds for r in profiled.rows) / 8, rel=1e-12)
 
 
-def test_the_ops_bytes_and_flops_are_xlas_on_one_device() -> None:
+def one_device_step(cfg: nx.Config) -> object:
+    """The book's train step for `cfg` on one device, compiled with XLA's own options."""
     trainer = nx.Trainer.create(
-        lambda: nx.create(CFG), nx.adamw(), nx.DP, nx.strategy_mesh(nx.DP, 1),
+        lambda: nx.create(cfg), nx.adamw(), nx.DP, nx.strategy_mesh(nx.DP, 1),
         dropout=False, compiler_options=OPTIMIZED,
     )  # fmt: skip
-    program = trainer.compile(trainer.batch(nx.book_batches(8, CFG.max_len)))
+    return trainer.compile(trainer.batch(nx.book_batches(8, cfg.max_len)))
+
+
+def test_the_ops_bytes_and_flops_are_xlas_on_one_device() -> None:
+    program = one_device_step(CFG)
     table = profiles.costs(program)
     xla = program.cost_analysis()
     moved = sum(c.bytes * c.executions for c in table.values())
@@ -90,11 +95,7 @@ def test_the_ops_bytes_and_flops_are_xlas_on_one_device() -> None:
 
 def test_loop_trip_counts_multiply_the_ops_of_a_scanned_model() -> None:
     cfg = CFG.replace(scan_layers=True)
-    trainer = nx.Trainer.create(
-        lambda: nx.create(cfg), nx.adamw(), nx.DP, nx.strategy_mesh(nx.DP, 1),
-        dropout=False, compiler_options=OPTIMIZED,
-    )  # fmt: skip
-    program = trainer.compile(trainer.batch(nx.book_batches(8, cfg.max_len)))
+    program = one_device_step(cfg)
     table = profiles.costs(program)
     assert max(c.executions for c in table.values()) == cfg.layers
     flops = sum(c.flops * c.executions for c in table.values())
