@@ -245,3 +245,12 @@ def test_an_op_that_takes_no_time_takes_no_share(tmp_path: Path) -> None:
     _trace_file(tmp_path, [_op("a.1", 0.0, 0.0), _op("b.2", 5.0, 2.0)])
     share = profiles.shared(profiles.read(tmp_path).ops)
     assert sorted(share.values()) == [2.0]
+
+
+def test_time_step_keeps_the_window_the_probe_found_least_busy(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    windows = iter([(0.5, HARDWARE["TPU v5e"]), (0.9, HARDWARE["H100"])])
+    monkeypatch.setattr(machine, "alongside", lambda *args, **kw: next(windows))
+    # the second window's machine is faster: its step is kept, although it is slower
+    assert machine.time_step(None, None, None) == (0.9, HARDWARE["H100"])
