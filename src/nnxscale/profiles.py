@@ -109,9 +109,6 @@ class Trace:
         wanted = self.runs()[index]
         return Trace(tuple(o for o in self.ops if o.run == wanted), self.path)
 
-    def devices(self) -> list[int]:
-        return sorted({o.device for o in self.ops})
-
     def span(self) -> float:
         """Microseconds from the first op's start to the last op's end."""
         return max(o.end for o in self.ops) - min(o.start for o in self.ops)
