@@ -92,7 +92,7 @@ def main() -> None:
     if many[0].platform != "cpu":
         print("Strategies are compared on emulated CPU devices: run with NNXSCALE_DEVICES=8.")
         return
-    many_probe = machine.Probe(many)  # every device at once: the machine
+    many_probe = machine.Probe(many, clock=machine.cpu_seconds)  # all at once, CPU time
     cfg = nx.Config(**CPU_SIZES["small"], max_len=64, dropout=0.0)
     rows = n * max(1, 16 // n)
     where = f"strategy on {n} {many[0].platform} device(s)"

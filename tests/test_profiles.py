@@ -6,9 +6,12 @@ from __future__ import annotations
 
 import gzip
 import json
+import time
+import types
 from pathlib import Path
 
 import jax
+import numpy as np
 import pytest
 
 import nnxscale as nx
@@ -247,10 +250,45 @@ def test_an_op_that_takes_no_time_takes_no_share(tmp_path: Path) -> None:
     assert sorted(share.values()) == [2.0]
 
 
-def test_time_step_keeps_the_window_the_probe_found_least_busy(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    windows = iter([(0.5, HARDWARE["TPU v5e"]), (0.9, HARDWARE["H100"])])
-    monkeypatch.setattr(machine, "alongside", lambda *args, **kw: next(windows))
-    # the second window's machine is faster: its step is kept, although it is slower
-    assert machine.time_step(None, None, None) == (0.9, HARDWARE["H100"])
+def test_cpu_seconds_count_work_and_not_waiting() -> None:
+    start = machine.cpu_seconds()
+    time.sleep(0.3)
+    slept = machine.cpu_seconds() - start
+    start, wall = machine.cpu_seconds(), time.perf_counter()
+    while time.perf_counter() - wall < 0.3:
+        sum(range(1000))
+    worked = machine.cpu_seconds() - start
+    assert slept < 0.02 < worked  # one busy thread: up to 0.3 s over the cores, less if shared
+    assert worked <= 0.3 / machine.cores() + 0.02
+
+
+def test_time_step_times_the_step_and_the_probe_on_the_probes_clock(fsdp: nx.Trainer) -> None:
+    ticks = []
+
+    def clock() -> float:
+        ticks.append(time.perf_counter())
+        return ticks[-1]
+
+    probe = machine.Probe(jax.devices(), size=256, megabytes=8, clock=clock)
+    batches = nx.book_batches(8, CFG.max_len)
+    best, hw = machine.time_step(fsdp, batches, probe, repeats=2)
+    assert len(ticks) == 2 * (2 + 2 + 2)  # 2 steps, 2 products, 2 passes: a start and an end
+    steps = [ticks[i + 1] - ticks[i] for i in (0, 6)]
+    assert best == min(steps) and hw.flops == probe.flops > 0
+    on_cpu = machine.Probe(jax.devices(), size=256, megabytes=8, clock=machine.cpu_seconds)
+    best, hw = machine.time_step(fsdp, batches, on_cpu, repeats=1)
+    assert best > 0 and hw.flops > 0 and hw.hbm > 0
+
+
+def test_cpu_time_is_refused_for_an_accelerator_and_a_probe_of_other_devices() -> None:
+    with pytest.raises(ValueError, match="wall clock"):
+        machine.check_clock(machine.cpu_seconds, "gpu")
+    machine.check_clock(machine.cpu_seconds, "cpu")
+    machine.check_clock(time.perf_counter, "gpu")
+    probe = machine.Probe(jax.devices()[0], size=64, megabytes=1)
+    gpus = np.array([types.SimpleNamespace(platform="gpu")])
+    trainer = types.SimpleNamespace(
+        layout=types.SimpleNamespace(mesh=types.SimpleNamespace(devices=gpus))
+    )
+    with pytest.raises(ValueError, match="probe the devices the step runs on"):
+        machine.time_step(trainer, None, probe)

@@ -8,6 +8,7 @@ machine's step times with the same functions it uses for datasheet accelerators.
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -30,11 +31,25 @@ def optimized(fn: Callable[..., jax.Array], *args: jax.Array) -> Callable[[], ja
     return lambda: compiled(*args)
 
 
-def _seconds(fn: Callable[[], jax.Array]) -> float:
-    """Wall seconds of one call of `fn`, its result ready."""
-    start = time.perf_counter()
+def cores() -> int:
+    """The CPU cores this process may run on (its affinity where the system says, else all)."""
+    affinity = getattr(os, "sched_getaffinity", None)
+    return len(affinity(0)) if affinity else os.cpu_count() or 1
+
+
+def cpu_seconds() -> float:
+    """This process's CPU seconds, all its threads together, over its `cores()`: a clock for
+    work on emulated CPU devices that other programs on the machine do not slow (they take
+    the cores away for a while, which wall time counts and CPU time does not). When the
+    process has the machine to itself and keeps every core busy, it runs at wall speed."""
+    return time.process_time() / cores()
+
+
+def _seconds(fn: Callable[[], jax.Array], clock: Callable[[], float]) -> float:
+    """Seconds on `clock` of one call of `fn`, its result ready."""
+    start = clock()
     jax.block_until_ready(fn())
-    return time.perf_counter() - start
+    return clock() - start
 
 
 @dataclasses.dataclass
@@ -49,7 +64,8 @@ class Probe:
     emulated CPU devices share one machine's cores
     and memory. Each `sample()` times both once more and keeps the fastest so far: a peak is
     what the devices can do, and a run that shared the cores with other work (another
-    program) is only ever slower."""
+    program) is only ever slower. Timed on `clock`: wall seconds by default; `cpu_seconds`
+    on CPU devices, for a peak that other programs do not lower."""
 
     device: jax.Device | Sequence[jax.Device]
     dtype: str = "float32"
@@ -57,10 +73,13 @@ class Probe:
     megabytes: int = 0
     flops: float = 0.0
     hbm: float = 0.0
+    clock: Callable[[], float] = time.perf_counter
 
     def __post_init__(self) -> None:
         devices = [self.device] if isinstance(self.device, jax.Device) else list(self.device)
-        cpu = devices[0].platform == "cpu"  # an accelerator needs far larger work to fill
+        self.platform = devices[0].platform
+        check_clock(self.clock, self.platform)
+        cpu = self.platform == "cpu"  # an accelerator needs far larger work to fill
         n = len(devices)  # by default the same work in all, split between the devices
         self.size = self.size or 64 * round((2048 if cpu else 8192) / n ** (1 / 3) / 64)
         self.megabytes = self.megabytes or max(32, (64 if cpu else 2048) // n)  # > caches
@@ -79,8 +98,8 @@ class Probe:
 
     def sample(self) -> None:
         """Time the product and the pass once each; keep the best FLOP/s and bytes/s seen."""
-        self.flops = max(self.flops, self._flops / _seconds(self._product))
-        self.hbm = max(self.hbm, self._moved / _seconds(self._stream))
+        self.flops = max(self.flops, self._flops / _seconds(self._product, self.clock))
+        self.hbm = max(self.hbm, self._moved / _seconds(self._stream, self.clock))
 
     def hardware(self, memory: float = 0.0) -> Hardware:
         """The devices as the time model sees one device (no links); `memory` bytes if given
@@ -88,6 +107,15 @@ class Probe:
         name = f"this machine ({self._kind})"
         return Hardware(
             name, self.flops, memory, self.hbm, 0.0, 0.0, 1, False, 0.0, 0.0, "measured"
+        )
+
+
+def check_clock(clock: Callable[[], float], platform: str) -> None:
+    """Refuse CPU time for an accelerator's work, which the host only waits for."""
+    if clock is cpu_seconds and platform != "cpu":
+        raise ValueError(
+            f"cpu_seconds times work on CPU devices, and these are {platform} devices, whose "
+            "work this process's CPU only waits for: time them on the wall clock (the default)"
         )
 
 
@@ -137,20 +165,22 @@ def emulated(hw: Hardware, devices: int) -> Hardware:
 
 
 def time_step(
-    trainer: Any,
-    batches: Callable[..., Any],
-    probe: Probe,
-    repeats: int = 3,
-    windows: int = 2,
+    trainer: Any, batches: Callable[..., Any], probe: Probe, repeats: int = 3
 ) -> tuple[float, Hardware]:
     """The fastest of `repeats` steps of `trainer` (a `nnxscale.Trainer`, compiled) on
-    `batches`, and the devices `probe` measures between them (`alongside`), from the one of
-    `windows` such runs in which the probe found the machine least busy (its FLOP/s times
-    its bandwidth highest). Chosen by the probe alone, never by the step's time: on a
-    machine other programs share, one window's step and probe can still see different
-    loads, and the least busy window is where they see least of it."""
-    runs = [
-        alongside(lambda: trainer.time_steps(batches, 1, first=10)[0], probe, repeats)
-        for _ in range(windows)
-    ]
-    return max(runs, key=lambda run: run[1].flops * run[1].hbm)
+    `batches`, and the devices `probe` measures between them (`alongside`), both on the
+    probe's clock. On emulated CPU devices give it `clock=cpu_seconds`: on a machine that
+    other programs share, the step and the probe measured in turn on the wall clock can
+    still see different loads and disagree by a factor of two; CPU time counts the work,
+    whoever else runs."""
+    platform = trainer.layout.mesh.devices.flat[0].platform
+    if platform != probe.platform:
+        raise ValueError(
+            f"the trainer runs on {platform} devices and the probe measures {probe.platform} "
+            "devices: probe the devices the step runs on"
+        )
+
+    def timed() -> float:
+        return trainer.time_steps(batches, 1, first=10, clock=probe.clock)[0]
+
+    return alongside(timed, probe, repeats)
