@@ -36,7 +36,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from nnxscale import events, launch
-from nnxscale.checkpoint import Checkpoints, checksums
+from nnxscale.checkpoint import PARTIAL, Checkpoints, checksums
 from nnxscale.data import book_batches
 from nnxscale.devices import emulate_devices
 from nnxscale.launch import COORDINATOR, initialize
@@ -88,8 +88,20 @@ def _train(args: argparse.Namespace) -> None:
                 tell(events.Checksums, step=step, sums=checksums(trainer.state))
                 tell(events.Saving, step=step, blocked_seconds=checkpoints.save(trainer, batches))
                 if step == args.crash_during_save:  # a crash while the save is being written
+                    _await_writing(Path(args.directory), step)
                     os.kill(os.getpid(), signal.SIGKILL)
         tell(events.Written, waited_seconds=checkpoints.wait())
+
+
+def _await_writing(directory: Path, step: int, timeout: float = 60.0) -> None:
+    """Return once the save of `step` has its unfinished directory on disk: Orbax makes it in
+    its background thread, which a busy machine can leave unscheduled for a while after
+    `save` returns; also once the save is complete, or after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if (directory / f"{step}{PARTIAL}").exists() or (directory / str(step)).exists():
+            return
+        time.sleep(0.001)
 
 
 def _restore(args: argparse.Namespace) -> None:
@@ -250,8 +262,9 @@ def start_crash_during_save(
     SIGKILLs itself as its last save starts; returns at once (`result()` waits for it).
 
     The process kills itself right after its last `Saving` event, as soon as Orbax has taken
-    the state off the devices and the write has begun in a background thread: the kill lands
-    while the files are written, without waiting for another process to react. The step
+    the state off the devices and its background thread has made the save's unfinished
+    directory: the kill lands while the files are written, without waiting for another
+    process to react. The step
     compiles with `compiler_options` (such as `nnxscale.train.FAST_COMPILE`), which the run's
     checkpoints record, so a run restored from them computes the same bits. `timeout` counts
     from the call to `result()`.
