@@ -31,9 +31,19 @@ def jupyter_book(*args: str, cwd: Path = ROOT) -> Run:
     return run(command, cwd=cwd, timeout=3600, check=False)
 
 
+def clean_arguments() -> tuple[str, ...]:
+    """What `jupyter-book clean` is given before the test build: everything, unless
+    NNXSCALE_KEEP_EXECUTIONS=1 (the pull-request workflow, which restores the chapters'
+    executions from its cache) keeps the jupyter-cache, whose entries are keyed on each
+    chapter's code and emptied by the build when `src/`, the pins or the device count change."""
+    keep = os.environ.get("NNXSCALE_KEEP_EXECUTIONS") == "1"
+    return ("clean", ".") if keep else ("clean", "--all", ".")
+
+
 @pytest.fixture(scope="session")
 def built_book(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The whole book, built from clean with every chapter executed for real; its HTML folder.
+    """The whole book, built from clean with every chapter executed for real (or read back from
+    the executions cache, `clean_arguments`); its HTML folder.
 
     Built once per test run: with pytest-xdist, the first worker to ask builds it while the
     others wait on a lock in the run's shared temporary folder, then read the same result.
@@ -45,7 +55,7 @@ def built_book(tmp_path_factory: pytest.TempPathFactory) -> Path:
         fcntl.flock(lock, fcntl.LOCK_EX)
         status = shared / "built-book.returncode"
         if not status.exists():
-            assert jupyter_book("clean", "--all", ".").returncodes == [0]
+            assert jupyter_book(*clean_arguments()).returncodes == [0]
             result = jupyter_book("build", ".")
             log_file.parent.mkdir(exist_ok=True)
             log_file.write_text(result.text)
