@@ -187,6 +187,16 @@ def layer_bytes(cfg: Config) -> list[int]:
     return sizes
 
 
+def _scan_counts(params: dict[str, Any]) -> tuple[int, int]:
+    """How many of a scan's inputs are constants, and how many the carry that follows them:
+    JAX 0.12 gives the three groups (constants, carry, stacked inputs) as one tree, `ft_in`,
+    where earlier releases give the counts."""
+    if "num_consts" in params:
+        return params["num_consts"], params["num_carry"]
+    consts, carry, _ = params["ft_in"].unpack()
+    return len(list(consts)), len(list(carry))
+
+
 def loop_carries(f: Callable[..., Any], *args: Any) -> list[int]:
     """Bytes each scan of `f`'s program carries from one iteration to the next, in program
     order (scans nested in `jit`, `shard_map` or another scan included): what a loop holds
@@ -196,8 +206,8 @@ def loop_carries(f: Callable[..., Any], *args: Any) -> list[int]:
     def visit(jaxpr: Any) -> None:
         for eqn in jaxpr.eqns:
             if eqn.primitive.name == "scan":
-                first = eqn.params["num_consts"]
-                avals = eqn.params["jaxpr"].in_avals[first : first + eqn.params["num_carry"]]
+                first, count = _scan_counts(eqn.params)
+                avals = eqn.params["jaxpr"].in_avals[first : first + count]
                 carried.append(sum(math.prod(a.shape) * a.dtype.itemsize for a in avals))
             for param in eqn.params.values():
                 for inner in param if isinstance(param, list | tuple) else [param]:
