@@ -1,4 +1,4 @@
-"""Every chapter against the newest releases of the library's dependencies, as Colab will meet them.
+"""Every chapter against the newest releases of its dependencies, which Colab moves to first.
 
 Run from the repository root: python3.12 benchmarks/latest_releases.py [--summary FILE]
 It makes a fresh virtual environment with the Python that runs it (3.12 or later: the newest
@@ -41,15 +41,16 @@ def pinned() -> dict[str, str]:
     return pins
 
 
-def install(venv: Path) -> Path:
-    """A fresh environment at `venv` with the newest releases the library allows; its Python."""
+def install(venv: Path) -> Path | str:
+    """A fresh environment at `venv` with the newest releases the library allows: its Python,
+    or what pip said when it could not resolve or install them (itself a result to report)."""
     subprocess.run([sys.executable, "-m", "venv", "--clear", str(venv)], check=True)
     python = venv / "bin" / "python"
     pins = pinned()
     tools = [f"{tool}=={pins[tool]}" for tool in TOOLS]
     command = [str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check", "-U"]
-    subprocess.run([*command, "-e", str(ROOT), *tools], check=True)
-    return python
+    done = subprocess.run([*command, "-e", str(ROOT), *tools], capture_output=True, text=True)
+    return python if done.returncode == 0 else done.stderr[-3000:]
 
 
 def execute(chapter: str) -> dict[str, str | float]:
@@ -107,6 +108,14 @@ def report(results: list[dict[str, str | float]]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def publish(text: str, summary: Path | None) -> None:
+    """Print the report, and add it to `summary` (a workflow's status page) if given."""
+    print(text)
+    if summary:
+        with open(summary, "a") as page:
+            page.write(text)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--venv", type=Path, default=ROOT / "_build" / "latest-releases")
@@ -118,17 +127,17 @@ def main() -> None:
     chapters = args.chapters or every
     if not args.inside:  # install, then run this script again inside the new environment
         python = install(args.venv)
+        if isinstance(python, str):
+            failed = f"## The book against the newest releases\n\npip failed:\n```\n{python}\n```\n"
+            publish(failed, args.summary)
+            sys.exit(1)
         again = [str(python), __file__, "--inside", "--chapters", *chapters]
         if args.summary:
             again += ["--summary", str(args.summary)]
         sys.exit(subprocess.run(again, env={**os.environ, "PYTHONNOUSERSITE": "1"}).returncode)
     with ProcessPoolExecutor(2) as pool:  # a chapter per core, as the build runs them
         results = list(pool.map(execute, chapters))
-    text = report(results)
-    print(text)
-    if args.summary:
-        with open(args.summary, "a") as summary:
-            summary.write(text)
+    publish(report(results), args.summary)
     sys.exit(1 if any(r["result"] != "passed" for r in results) else 0)
 
 
