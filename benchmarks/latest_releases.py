@@ -53,20 +53,20 @@ def install(venv: Path) -> Path | str:
     return python if done.returncode == 0 else done.stderr[-3000:]
 
 
-def execute(chapter: str) -> dict[str, str | float]:
-    """Run every cell of a chapter in a fresh kernel; its result, time, error and first warning."""
+def execute(path: Path) -> dict[str, str | float]:
+    """Run every cell of a chapter (its MyST source) in a fresh kernel; its result, time, the
+    failing cell and its error, or else the first warning it printed."""
     import jupytext
     from nbclient import NotebookClient
     from nbclient.exceptions import CellExecutionError
 
-    path = ROOT / "chapters" / f"{chapter}.md"
     notebook = jupytext.read(path)
     client = NotebookClient(
         notebook, timeout=600, kernel_name="python3",
         resources={"metadata": {"path": str(path.parent)}},
     )  # fmt: skip
     start = time.perf_counter()
-    result: dict[str, str | float] = {"chapter": chapter, "result": "passed", "detail": ""}
+    result: dict[str, str | float] = {"chapter": path.stem, "result": "passed", "detail": ""}
     try:
         client.execute(stderr=subprocess.DEVNULL)  # the kernel's start-up notices
     except CellExecutionError as error:
@@ -136,7 +136,7 @@ def main() -> None:
             again += ["--summary", str(args.summary)]
         sys.exit(subprocess.run(again, env={**os.environ, "PYTHONNOUSERSITE": "1"}).returncode)
     with ProcessPoolExecutor(2) as pool:  # a chapter per core, as the build runs them
-        results = list(pool.map(execute, chapters))
+        results = list(pool.map(execute, [ROOT / "chapters" / f"{c}.md" for c in chapters]))
     publish(report(results), args.summary)
     sys.exit(1 if any(r["result"] != "passed" for r in results) else 0)
 

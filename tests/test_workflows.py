@@ -143,6 +143,19 @@ def test_the_newest_releases_report_names_versions_pins_and_failures() -> None:
     assert text.rstrip().endswith("1 of 2 chapters passed; failed: 02_b")
 
 
+def test_a_chapter_run_names_its_failing_cell_or_its_first_warning(tmp_path: Path) -> None:
+    cells = ["import warnings", "warnings.warn('old API', FutureWarning)", "1 / 0"]
+    source = "\n\n".join(f"```{{code-cell}} ipython3\n{code}\n```" for code in cells)
+    header = "---\nkernelspec:\n  name: python3\n  display_name: Python 3\n---\n\n"
+    (tmp_path / "01_warns.md").write_text(header + source.rsplit("\n\n", 1)[0])
+    (tmp_path / "02_fails.md").write_text(header + source)
+    warns = latest_releases.execute(tmp_path / "01_warns.md")
+    assert warns["result"] == "passed" and "FutureWarning: old API" in warns["detail"]
+    fails = latest_releases.execute(tmp_path / "02_fails.md")
+    assert fails["result"] == "FAILED"
+    assert fails["detail"] == "`1 / 0`: ZeroDivisionError: division by zero"
+
+
 def test_the_book_names_its_address_where_its_repository_says() -> None:
     url = CONFIG["repository"]["url"]
     address = pages(url.removeprefix("https://github.com/"))
