@@ -9,6 +9,7 @@ unless NNXSCALE_REQUIRE_ACTIONLINT=1 (`.ci/run` sets it), which makes them fail 
 
 from __future__ import annotations
 
+import importlib.metadata
 import os
 import re
 import shutil
@@ -25,22 +26,10 @@ from conftest import clean_arguments
 sys.path.insert(0, str(ROOT / "book"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import latest_releases
-from set_repository import pages, set_repository
+from set_repository import current, pages, set_repository
 
 WORKFLOWS = sorted((ROOT / ".github" / "workflows").glob("*.yml"))
 LINTER = ROOT / ".ci" / "lint-workflows.cjs"
-
-
-def jax_pin() -> str:
-    """The JAX version requirements.txt pins."""
-    return re.search(r"^jax==(.+)$", (ROOT / "requirements.txt").read_text(), re.M).group(1)
-
-
-def jax_version() -> str:
-    """The JAX version this process runs."""
-    import importlib.metadata
-
-    return importlib.metadata.version("jax")
 
 
 def workflow(name: str) -> dict:
@@ -132,13 +121,14 @@ def test_the_weekly_workflow_runs_the_newest_releases_script() -> None:
 
 def test_the_newest_releases_report_names_versions_pins_and_failures() -> None:
     pins = latest_releases.pinned()
-    assert pins["jax"] == jax_pin() and pins["orbax-checkpoint"]
+    ran = importlib.metadata.version("jax")
+    assert pins["jax"] == ran and pins["orbax-checkpoint"]  # this environment is the pins
     results = [
         {"chapter": "01_a", "result": "passed", "seconds": 3.0, "detail": ""},
         {"chapter": "02_b", "result": "FAILED", "seconds": 1.0, "detail": "`x = f()`: E: a|b"},
     ]
     text = latest_releases.report(results)
-    assert f"| jax | {jax_version()} | {pins['jax']} |" in text
+    assert f"| jax | {ran} | {pins['jax']} |" in text
     assert "| 02_b | FAILED | 1.0 | `x = f()`: E: a\\|b |" in text
     assert text.rstrip().endswith("1 of 2 chapters passed; failed: 02_b")
 
@@ -158,7 +148,7 @@ def test_a_chapter_run_names_its_failing_cell_or_its_first_warning(tmp_path: Pat
 
 def test_the_book_names_its_address_where_its_repository_says() -> None:
     url = CONFIG["repository"]["url"]
-    address = pages(url.removeprefix("https://github.com/"))
+    address = pages(current())
     assert CONFIG["html"]["baseurl"] == address
     readme = (ROOT / "README.md").read_text()
     assert f"**Read it at {address}**" in readme
@@ -170,7 +160,7 @@ def test_set_repository_moves_every_mention_to_a_fork(tmp_path: Path) -> None:
     checkout = copy_checkout(tmp_path / "fork")
     subprocess.run(["git", "init", "-q"], cwd=checkout, check=True)
     subprocess.run(["git", "add", "-A"], cwd=checkout, check=True)
-    old = CONFIG["repository"]["url"].removeprefix("https://github.com/")
+    old = current()
     changed = set_repository("Reader/my-book", checkout)
     assert checkout / "_config.yml" in changed and checkout / "README.md" in changed
     config = yaml.safe_load((checkout / "_config.yml").read_text())

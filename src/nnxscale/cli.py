@@ -264,10 +264,9 @@ def start_crash_during_save(
     The process kills itself right after its last `Saving` event, as soon as Orbax has taken
     the state off the devices and its background thread has made the save's unfinished
     directory: the kill lands while the files are written, without waiting for another
-    process to react. The step
-    compiles with `compiler_options` (such as `nnxscale.train.FAST_COMPILE`), which the run's
-    checkpoints record, so a run restored from them computes the same bits. `timeout` counts
-    from the call to `result()`.
+    process to react. The step compiles with `compiler_options` (such as
+    `nnxscale.train.FAST_COMPILE`), which the run's checkpoints record, so a run restored
+    from them computes the same bits. `timeout` counts from the call to `result()`.
     """
     command = [
         *PROGRAM,
