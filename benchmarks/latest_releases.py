@@ -94,7 +94,7 @@ def report(results: list[dict[str, str | float]]) -> str:
     pins = pinned()
     lines = ["## The book against the newest releases", "",
              "| package | ran | pinned |", "|---|---|---|",
-             f"| python | {sys.version.split()[0]} | 3.11 |"]  # fmt: skip
+             f"| python | {sys.version.split()[0]} | 3.12 |"]  # fmt: skip
     for name in PACKAGES:
         lines.append(f"| {name} | {importlib.metadata.version(name)} | {pins.get(name, '')} |")
     lines += ["", "| chapter | result | seconds | failing cell, or first warning |",

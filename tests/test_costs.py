@@ -276,18 +276,18 @@ def test_the_pipelines_peak_and_hand_overs_against_the_compiled_executor(stages,
         assert report.array_bytes("all-gather") == gathers.array_bytes
 
 
-def test_bfloat16_on_the_cpu_lies_between_the_bfloat16_and_float32_ledgers() -> None:
-    """The CPU computes bfloat16 values in float32 inside its fusions, so a scanned bfloat16
-    step keeps float32 copies: more than the bfloat16 ledger (a GPU's or TPU's step), within
-    the tolerance of the float32 one."""
+def test_a_bfloat16_step_lies_within_the_band_of_the_bfloat16_ledger() -> None:
+    """A scanned bfloat16 step keeps bfloat16 values, as the bfloat16 ledger counts them, and
+    not float32 copies: below the float32 ledger. (jaxlib 0.10.2's CPU computed bfloat16 values
+    in float32 inside its fusions, and its step lay above the bfloat16 ledger's band.)"""
     cfg = PLAIN.replace(scan_layers=True, compute_dtype="bfloat16")
     run = trainer("FSDP", 8, cfg)
     got = compiled_peak(run.compile(run.batch(Batches(CORPUS, 64, 32))))
     setup = setup_of(run, cfg)
     narrow = costs.step_cost(cfg, setup, H100, 64, 32).peak
     wide = costs.step_cost(cfg.replace(compute_dtype="float32"), setup, H100, 64, 32).peak
-    if jax.default_backend() == "cpu":
-        assert narrow * TOLERANCE[1] < got <= wide * TOLERANCE[1]
+    assert TOLERANCE[0] <= got / narrow <= TOLERANCE[1]
+    assert got < wide
 
 
 def test_the_state_at_rest_and_the_textbook_activations_fail_the_tolerance() -> None:
@@ -432,9 +432,10 @@ def test_new_strategies_train_like_one_device(name: str) -> None:
     np.testing.assert_allclose(losses, reference, rtol=0, atol=1e-5)
 
 
-def test_remat_without_a_scan_saves_nothing_on_the_cpu() -> None:
-    """The CPU scheduler rebuilds an unscanned layer as early as it likes: its activations
-    grow per sequence as if there were no remat (within 5%), a scan's do not."""
+def test_remat_saves_activations_with_or_without_a_scan() -> None:
+    """Per added sequence, a step with remat keeps less than 80% of what it keeps without,
+    its layers scanned or unrolled. (jaxlib 0.10.2's CPU scheduler rebuilt an unrolled layer
+    as early as it liked, and the step kept within 5% of what it kept without remat.)"""
     growth = {}
     for label, cfg in (
         ("none", PLAIN),
@@ -446,8 +447,7 @@ def test_remat_without_a_scan_saves_nothing_on_the_cpu() -> None:
             CompiledMemory.of(p).temp for p in compile_all([(run, run.batch(b)) for run, b in runs])
         )
         growth[label] = (large - small) / 8
-    if jax.default_backend() == "cpu":
-        assert growth["unrolled"] >= 0.95 * growth["none"]
+    assert growth["unrolled"] < 0.8 * growth["none"]
     assert growth["scanned"] < 0.8 * growth["none"]
 
 

@@ -156,7 +156,6 @@ def test_a_readers_own_xla_flags_win() -> None:
     assert flags.split() == [
         "--xla_backend_optimization_level=2",
         "--xla_dump_to=/tmp/d",
-        "--xla_cpu_use_fusion_emitters=false",
     ]
     assert fast_compile_flags(flags) == flags  # emulating twice adds nothing
 

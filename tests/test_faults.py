@@ -8,6 +8,7 @@ import re
 import shutil
 import signal
 import socket
+import subprocess
 import sys
 import time
 import warnings
@@ -291,6 +292,7 @@ def test_a_writer_killed_by_sigkill_leaves_a_lock_the_next_writer_takes(tmp_path
 
 
 SAVED_ONCE = """
+import subprocess
 import sys
 import nnxscale as nx
 nx.emulate_devices(2)
@@ -429,6 +431,7 @@ def test_a_batch_whose_dtype_changes_is_named(tmp_path) -> None:
 
 
 STEP_FAILS = """
+import subprocess
 import sys
 import jax, jax.numpy as jnp
 import nnxscale as nx
@@ -600,20 +603,34 @@ if sys.argv[2] == "closed":
         checkpoints.save(trainer, data)
     except nx.checkpoint.SaveError as error:
         print(f"SaveError: {error}", flush=True)
+elif sys.argv[2] == "exit":
+    sys.exit(3)
+elif sys.argv[2] == "raise":
+    raise RuntimeError("the script fails after its save started")
 """
 )
 
 
-@pytest.mark.parametrize("ending", ["open", "closed"])
+@pytest.mark.parametrize(
+    ("ending", "code"), [("open", 0), ("closed", 0), ("exit", 3), ("raise", 1)]
+)
 def test_a_save_in_flight_at_exit_is_finished_and_a_closed_directory_refuses_saves(
-    tmp_path, ending
+    tmp_path, ending, code
 ) -> None:
+    """However the script ends (its last line, `sys.exit`, an exception), the save it started
+    is finished: Python 3.12 starts no thread at exit, so the library closes the directory as
+    the main module ends (`checkpoint.finish_at_program_end`)."""
     script = tmp_path / "end.py"
     script.write_text(CLOSING)
-    done = launch.run([sys.executable, str(script), str(tmp_path / "run"), ending], timeout=120)
-    assert done.returncodes == [0]
+    done = subprocess.run(
+        [sys.executable, str(script), str(tmp_path / "run"), ending],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == code, done.stderr
     assert Checkpoints(tmp_path / "run", create=False).steps() == [1]  # the save was finished
-    refused = re.findall(r"SaveError: [^\n]*", done.text)
+    refused = re.findall(r"SaveError: [^\n]*", done.stdout)
     assert len(refused) == (ending == "closed")
     assert all("was closed: open it with Checkpoints(directory)" in line for line in refused)
 

@@ -144,9 +144,16 @@ def test_a_model_for_auto_axes_on_explicit_axes_is_refused() -> None:
     with pytest.raises(nx.mesh.AxisTypeError, match=r"Explicit.*Auto axes.*out_sharding="):
         trainer.train(batches, 1)
     trainer.check_state()
-    # the book's Transformer declares its axis type: refused at create
+    # a model that declares its axis type is refused at create
+
+    class AutoOnly(nnx.Module):
+        AXIS_TYPE = "auto"
+
+        def __init__(self) -> None:
+            self.w = nnx.Param(jnp.ones((8, 8)))
+
     with pytest.raises(nx.mesh.AxisTypeError, match="written for Auto mesh axes"):
-        nx.trainer_for(nx.FSDP, mesh=nx.strategy_mesh(nx.FSDP, explicit=True))
+        nx.Trainer.create(AutoOnly(), nx.adamw(), fsdp, mesh, loss_fn=lm_loss)
     # the same unannotated model trains on Auto axes
     auto = nx.Trainer.create(make(PLAIN), nx.adamw(), fsdp, nx.strategy_mesh(fsdp), loss_fn=lm_loss)
     assert len(auto.train(batches, 1)) == 1

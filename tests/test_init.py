@@ -12,7 +12,14 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from nnxscale.hlo import largest_array
-from nnxscale.init import InitPrograms, abstract, compile_init, compile_whole, init_sharded
+from nnxscale.init import (
+    InitPrograms,
+    abstract,
+    compile_init,
+    compile_whole,
+    draws_by_split,
+    init_sharded,
+)
 from nnxscale.memory import CompiledMemory, device_bytes
 from nnxscale.model import TINY, Config, create
 from nnxscale.rules import FSDP, RULE_SETS, strategy_mesh
@@ -123,3 +130,16 @@ def test_the_whole_build_and_the_sharded_one_make_the_same_model() -> None:
 def test_a_pytree_is_built_whole_as_it_is() -> None:
     built = compile_whole(lambda: {"w": jnp.ones((4, 2)), "b": jnp.zeros(2)})()
     assert set(built) == {"w", "b"} and built["w"].shape == (4, 2)
+
+
+def test_draws_are_the_same_whatever_the_split_even_or_not() -> None:
+    """JAX issue 40232's shape (496 rows) on 1 to 8 devices, and 3, 5, 6 and 7, which do not
+    divide it: split at rest where they divide, inside the program (padded) where they do not."""
+    draws = draws_by_split((496, 8), range(1, 9))
+    assert all(d.identical for d in draws)
+    uneven = {d.devices for d in draws if "padded" in d.split}
+    assert uneven == {3, 5, 6, 7}
+    assert [d.rows for d in draws if d.devices in (4, 8)] == ["124", "62"]
+    mesh = strategy_mesh(FSDP, 3)  # JAX keeps no uneven split at rest
+    with pytest.raises(ValueError, match="should evenly divide the shape"):
+        jax.device_put(np.zeros((496, 8)), NamedSharding(mesh, P("data")))

@@ -7,14 +7,18 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from nnxscale.data import Batches, arithmetic_text, encode
+from nnxscale.losses import cross_entropy
 from nnxscale.memory import CompiledMemory, device_bytes
 from nnxscale.model import TINY, create
-from nnxscale.rules import DP, FSDP, FSDP_TP, TP
+from nnxscale.rules import DP, FSDP, FSDP_TP, TP, strategy_mesh
 from nnxscale.train import (
     Trainer,
     TrainOptions,
+    adamw,
     loss_and_grads,
     params_by_path,
     trainer_for,
@@ -217,3 +221,27 @@ def test_evaluations_compile_with_the_trainer_s_options() -> None:
     run = trainer(DP, options=TrainOptions(compiler_options={"xla_no_such_option": True}))
     with pytest.raises(Exception, match="xla_no_such_option"):
         run.evaluate(run.state, run.batch(BATCHES))
+
+
+@pytest.mark.parametrize("rules", [DP, FSDP_TP], ids=lambda r: r.name)
+def test_the_transformer_trains_alike_on_explicit_and_auto_axes(rules) -> None:
+    """On Explicit axes every product and lookup of the model says where its output goes;
+    the losses are those of Auto axes, where the compiler chooses."""
+    runs = {}
+    for explicit in (False, True):
+        mesh = strategy_mesh(rules, explicit=explicit)
+        runs[explicit] = Trainer.create(create(TINY), adamw(), rules, mesh).train(BATCHES, STEPS)
+    np.testing.assert_allclose(runs[True], runs[False], rtol=0, atol=1e-5)
+
+
+def test_cross_entropy_on_a_split_vocabulary_picks_by_one_hot_on_explicit_axes() -> None:
+    """On Explicit axes JAX refuses a gather from logits split over the vocabulary; the loss
+    then picks with one-hot vectors, the same numbers."""
+    mesh = strategy_mesh(TP, explicit=True)
+    logits = jax.random.normal(jax.random.key(0), (4, 8, 32))
+    targets = jax.random.randint(jax.random.key(1), (4, 8), 0, 32)
+    split = jax.device_put(logits, NamedSharding(mesh, P(None, None, "model")))
+    with pytest.raises(Exception, match="out_sharding"):
+        jax.jit(lambda x, t: optax.softmax_cross_entropy_with_integer_labels(x, t))(split, targets)
+    got = jax.jit(cross_entropy)(split, targets)
+    np.testing.assert_allclose(got, cross_entropy(logits, targets), rtol=1e-6)

@@ -75,7 +75,7 @@ def test_the_pull_request_workflow_runs_the_script_ci_runs() -> None:
     assert set(flow[True]) >= {"pull_request", "push"}
     assert [s["run"] for s in steps(flow) if "run" in s] == ["bash .ci/run"]
     job = flow["jobs"]["tests"]
-    assert job["container"] == "python:3.11-bookworm"  # the Debian and Python of the pins
+    assert job["container"] == "python:3.12-bookworm"  # the Debian and Python of the pins
     assert job["env"]["NNXSCALE_KEEP_EXECUTIONS"] == "1"
     cached = {
         s["with"]["path"] for s in steps(flow) if s.get("uses", "").startswith("actions/cache")

@@ -11,6 +11,10 @@ Importing starts no JAX backend, so the setup cell can still emulate devices aft
 
 from __future__ import annotations
 
+from nnxscale import environment
+
+environment.check_versions()  # before anything imports jax or flax
+
 from nnxscale import (
     activations,
     agree,
@@ -22,7 +26,6 @@ from nnxscale import (
     costs,
     data,
     devices,
-    environment,
     events,
     figures,
     formula,

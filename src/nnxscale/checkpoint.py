@@ -26,7 +26,6 @@ would drop, another run's directory), a failed background save raises from `wait
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import dataclasses
 import functools
@@ -36,6 +35,7 @@ import re
 import sys
 import threading
 import time
+import types
 import warnings
 import weakref
 from collections.abc import Callable, Sequence
@@ -459,14 +459,55 @@ def orbax_manager(
     return ocp.CheckpointManager(directory, options=options, item_handlers=handlers)
 
 
-def _close_at_exit(checkpoints: weakref.ref[Checkpoints]) -> None:
-    """At exit, close a directory left open: its saves in flight are finished, not lost."""
-    opened = checkpoints()
-    if opened is not None and not opened.closed:
-        try:
-            opened.close()
-        except SaveError as error:
-            print(f"nnxscale: {error}", file=sys.stderr)
+_OPEN: weakref.WeakSet[Checkpoints] = weakref.WeakSet()
+"""Every directory opened in this process, for `finish_at_program_end`."""
+
+MONITORING_TOOL = 4
+"""The `sys.monitoring` tool id the library watches the end of the program with (ids 0 to 2
+and 5 are the debugger's, coverage's, the profiler's and the optimizer's)."""
+
+
+def _close_open() -> None:
+    """Close every directory left open: its saves in flight are finished, not lost."""
+    for opened in list(_OPEN):
+        if not opened.closed:
+            try:
+                opened.close()
+            except SaveError as error:
+                print(f"nnxscale: {error}", file=sys.stderr)
+
+
+@functools.cache
+def finish_at_program_end() -> bool:
+    """Close the open directories when the script's main module ends, normally, by `sys.exit`
+    or by an exception; whether the script's main module was found.
+
+    Since Python 3.12 no thread can start once the interpreter begins to shut down, before
+    `atexit` and `threading`'s own exit hooks run, and Orbax starts threads to finish a save:
+    a save closed there is lost. So the close runs while the interpreter is whole, as the
+    main module's code returns or unwinds (`sys.monitoring`, watching that code object alone
+    for its return; an exception's unwinding is a global event, filtered to it). The
+    outermost main module is watched: in a notebook, the kernel's, whose cells' code runs as
+    main modules of their own."""
+    main, frame = None, sys._current_frames().get(threading.main_thread().ident)
+    while frame is not None:  # the outermost: a notebook's cells run inside the kernel's
+        if frame.f_code.co_name == "<module>" and frame.f_globals.get("__name__") == "__main__":
+            main = frame.f_code
+        frame = frame.f_back
+    monitoring = sys.monitoring
+    if main is None or monitoring.get_tool(MONITORING_TOOL) is not None:
+        return False
+
+    def ended(code: types.CodeType, *_: object) -> None:
+        if code is main:
+            _close_open()
+
+    monitoring.use_tool_id(MONITORING_TOOL, "nnxscale checkpoints")
+    monitoring.register_callback(MONITORING_TOOL, monitoring.events.PY_RETURN, ended)
+    monitoring.register_callback(MONITORING_TOOL, monitoring.events.PY_UNWIND, ended)
+    monitoring.set_local_events(MONITORING_TOOL, main, monitoring.events.PY_RETURN)
+    monitoring.set_events(MONITORING_TOOL, monitoring.events.PY_UNWIND)
+    return True
 
 
 class Checkpoints:
@@ -510,12 +551,9 @@ class Checkpoints:
         self.times: dict[int, SaveTimes] = {}
         self.skipped: dict[int, str] = {}  # steps the last restore passed over, and why
         self.closed = False
-        # A save still being written when the program ends is finished, not lost. Orbax writes
-        # with thread pools, which refuse work once the interpreter starts shutting down, before
-        # `atexit` runs: so the close is registered where those pools register their own
-        # shutdown (called in reverse order, it runs first).
-        register = getattr(threading, "_register_atexit", atexit.register)
-        register(functools.partial(_close_at_exit, weakref.ref(self)))
+        # A save still being written when the program ends is finished, not lost.
+        _OPEN.add(self)
+        finish_at_program_end()
 
     def save(
         self, trainer: Trainer, data: Batches | None = None, *, overwrite: bool = False

@@ -13,7 +13,7 @@ import dataclasses
 import json
 import re
 from collections.abc import Iterable
-from typing import Any, ClassVar, TypeVar
+from typing import Any, ClassVar
 
 PREFIX = re.compile(r"^\[process (\d+)\] ")
 """What the launcher puts before each line of a worker's output when it runs several."""
@@ -138,8 +138,6 @@ KINDS: dict[str, type[Event]] = {
 }
 """Every kind of event, by the name its JSON line carries."""
 
-E = TypeVar("E", bound=Event)
-
 
 def emit(event: Event) -> None:
     """Print `event` as one JSON line, at once (a launcher reads it while the program runs)."""
@@ -173,7 +171,7 @@ def parse(line: str) -> Event | None:
     return KINDS[kind](**fields)
 
 
-def read(
+def read[E: Event](
     output: str | Iterable[str], kind: type[E] | None = None, process: int | None = None
 ) -> list[E]:
     """The events in a run's output (a string or its lines), in order, optionally only those

@@ -57,7 +57,7 @@ def save_all_but_gathered(primitive: Primitive, *_: object, **params: object) ->
     """Remat policy: save every value the backward pass needs except the gathered weights.
 
     Both the all-gather's output and its named alias must be refused, or the backward pass
-    reads a saved copy instead of gathering again. (In JAX 0.10.2,
+    reads a saved copy instead of gathering again. (In JAX 0.10.2 to 0.12,
     `save_anything_except_these_names` returns True for every value, named ones included.)
     """
     return primitive.name != "all_gather" and params.get("name") != GATHERED
@@ -187,12 +187,10 @@ def layer_bytes(cfg: Config) -> list[int]:
     return sizes
 
 
-def _scan_counts(params: dict[str, Any]) -> tuple[int, int]:
+def scan_counts(params: dict[str, Any]) -> tuple[int, int]:
     """How many of a scan's inputs are constants, and how many the carry that follows them:
-    JAX 0.12 gives the three groups (constants, carry, stacked inputs) as one tree, `ft_in`,
-    where earlier releases give the counts."""
-    if "num_consts" in params:
-        return params["num_consts"], params["num_carry"]
+    since JAX 0.12 a scan's equation holds the three groups (constants, carry, stacked inputs)
+    as one tree, `ft_in`, where earlier releases gave the counts (`num_consts`, `num_carry`)."""
     consts, carry, _ = params["ft_in"].unpack()
     return len(list(consts)), len(list(carry))
 
@@ -206,7 +204,7 @@ def loop_carries(f: Callable[..., Any], *args: Any) -> list[int]:
     def visit(jaxpr: Any) -> None:
         for eqn in jaxpr.eqns:
             if eqn.primitive.name == "scan":
-                first, count = _scan_counts(eqn.params)
+                first, count = scan_counts(eqn.params)
                 avals = eqn.params["jaxpr"].in_avals[first : first + count]
                 carried.append(sum(math.prod(a.shape) * a.dtype.itemsize for a in avals))
             for param in eqn.params.values():

@@ -3,28 +3,28 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
-from typing import Any, Generic, TypeVar
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
+import numpy as np
 from flax import nnx
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from nnxscale.layout import Layout, resolve
 from nnxscale.memory import CompiledMemory
+from nnxscale.mesh import make_mesh
 from nnxscale.rules import Rules, strategy_mesh
 from nnxscale.trees import place
 
-T = TypeVar("T")
 
-
-def abstract(create: Callable[[], T]) -> T:
+def abstract[T](create: Callable[[], T]) -> T:
     """What `create()` would build, with shapes and dtypes but no memory (`nnx.eval_shape`)."""
     with nnx.use_eager_sharding(False):
         return nnx.eval_shape(create)
 
 
-def compile_init(
+def compile_init[T](
     create: Callable[[], T], rules: Rules, mesh: Mesh
 ) -> tuple[jax.stages.Compiled, nnx.GraphDef | None, Layout]:
     """Compile `create` so that every array it makes lands directly in its shards on `mesh`.
@@ -74,7 +74,7 @@ def compile_whole(create: Callable[[], Any]) -> jax.stages.Compiled:
 
 
 @dataclasses.dataclass(frozen=True)
-class InitPrograms(Generic[T]):
+class InitPrograms[T]:
     """One constructor compiled two ways, to compare what a device holds while it runs:
     `whole`, without shardings (build on one device, split afterwards), and `sharded`, by
     `compile_init` straight into `layout`'s shards."""
@@ -104,7 +104,7 @@ class InitPrograms(Generic[T]):
         return made if self.graphdef is None else nnx.merge(self.graphdef, made)
 
 
-def init_sharded(create: Callable[[], T], rules: Rules, mesh: Mesh) -> tuple[T, Layout]:
+def init_sharded[T](create: Callable[[], T], rules: Rules, mesh: Mesh) -> tuple[T, Layout]:
     """Run `create` with every array created in its shards; returns the result and its layout.
 
     Works alike for NNX modules, `nnx.State`s and raw pytrees of arrays.
@@ -114,7 +114,7 @@ def init_sharded(create: Callable[[], T], rules: Rules, mesh: Mesh) -> tuple[T, 
     return (made if graphdef is None else nnx.merge(graphdef, made)), layout
 
 
-def shard(tree: T, rules: Rules, mesh: Mesh) -> tuple[T, Layout]:
+def shard[T](tree: T, rules: Rules, mesh: Mesh) -> tuple[T, Layout]:
     """`tree` (an NNX module, an `nnx.State` or any pytree of arrays) copied into the layout
     `rules` give it on `mesh`: every device receives only its shards. Returns it and the layout.
     """
@@ -124,3 +124,48 @@ def shard(tree: T, rules: Rules, mesh: Mesh) -> tuple[T, Layout]:
         return nnx.merge(graphdef, place(state, layout.shardings())), layout
     layout = resolve(tree, rules, mesh)
     return place(tree, layout.shardings()), layout
+
+
+@dataclasses.dataclass(frozen=True)
+class SplitDraw:
+    """One draw of `jax.random.normal` with its first dimension split over `devices`: how it
+    was split, and whether its values are the ones a single device draws."""
+
+    devices: int
+    rows: str
+    split: str
+    identical: bool
+
+
+def draws_by_split(shape: tuple[int, ...], counts: Sequence[int], seed: int = 0) -> list[SplitDraw]:
+    """`jax.random.normal` of `shape` drawn with its first dimension split over each of
+    `counts` devices (an Auto mesh over the first devices), compared with one device's draw.
+
+    A count that divides the dimension splits the output itself; JAX refuses to store an
+    uneven split (`IndivisibleError`), so for a count that does not divide it the split is
+    made inside the program, where the compiler pads the last shard, and the output is
+    whole. JAX issue 40232 reports values that depend on the shard count; the partitionable
+    generator (`jax_threefry_partitionable`, forced here as `compile_init` forces it) gives
+    each element from its index alone."""
+    key = jax.random.key(seed)
+    whole = shape[0]
+    with jax.threefry_partitionable(True):
+        reference = np.asarray(jax.random.normal(key, shape))
+        draws = []
+        for n in counts:
+            mesh = make_mesh((n,), ("split",), devices=jax.devices()[:n])
+            by_rows = NamedSharding(mesh, PartitionSpec("split"))
+            replicated = NamedSharding(mesh, PartitionSpec())
+            if whole % n == 0:
+                out = jax.jit(lambda k: jax.random.normal(k, shape), out_shardings=by_rows)(key)
+                how, per = "the output", f"{whole // n}"
+            else:
+
+                def padded(k: jax.Array, by_rows: NamedSharding = by_rows) -> jax.Array:
+                    drawn = jax.lax.with_sharding_constraint(jax.random.normal(k, shape), by_rows)
+                    return drawn * 1.0  # computed on while split
+
+                out = jax.jit(padded, out_shardings=replicated)(key)
+                how, per = "inside the program (padded)", f"{whole / n:.1f}"
+            draws.append(SplitDraw(n, per, how, bool(np.array_equal(np.asarray(out), reference))))
+    return draws

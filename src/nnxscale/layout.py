@@ -495,3 +495,38 @@ def constrain(
         return x
     spec, mesh = placed
     return constrain_to(x, NamedSharding(mesh, spec))
+
+
+def placed_einsum(
+    subscripts: str, a: jax.Array, b: jax.Array, names: tuple[str | None, ...]
+) -> jax.Array:
+    """`jnp.einsum(subscripts, a, b)`, its output placed where its logical `names` go under the
+    active rules when the mesh's axes are Explicit: there the layout is part of the product's
+    type (`out_sharding=`), which JAX requires where the inputs leave it open, as a contraction
+    split on both sides (tensor parallelism's second product) does. On Auto axes, or with no
+    rules active, the plain product: the compiler places it."""
+    inputs, output = subscripts.split("->")
+    sizes = dict(zip(inputs.split(",")[0], a.shape, strict=True))
+    sizes.update(zip(inputs.split(",")[1], b.shape, strict=True))
+    placed = activation_spec(tuple(sizes[letter] for letter in output), names)
+    if placed is None or axis_kind(placed[1]) != "explicit":
+        return jax.numpy.einsum(subscripts, a, b)
+    spec, mesh = placed
+    return jax.numpy.einsum(subscripts, a, b, out_sharding=NamedSharding(mesh, spec))
+
+
+def placed_lookup(
+    table: jax.Array,
+    rows: jax.Array,
+    names: tuple[str | None, ...],
+    beside: tuple[tuple[int, str], ...] = (),
+) -> jax.Array:
+    """`table[rows]`, the lookup of an embedding, its output placed by its logical `names`
+    (next to the `beside` dimensions, as in `activation_spec`) on Explicit axes: a gather
+    whose layout JAX does not choose when the table is split (`.at[rows].get(out_sharding=)`).
+    The plain lookup on Auto axes or with no rules active."""
+    placed = activation_spec((*rows.shape, *table.shape[1:]), names, beside)
+    if placed is None or axis_kind(placed[1]) != "explicit":
+        return table[rows]
+    spec, mesh = placed
+    return table.at[rows].get(out_sharding=NamedSharding(mesh, spec))

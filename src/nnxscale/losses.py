@@ -10,24 +10,36 @@ and `nnxscale.fsdp` and `nnxscale.pipeline` write their own for the book's Trans
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, TypeAlias
+from typing import Any
 
 import jax
 import optax
 from flax import nnx
 
-LossFn: TypeAlias = Callable[[nnx.Module, Any, "nnx.Rngs | None"], jax.Array]
+from nnxscale.mesh import axis_kind
+
+type LossFn = Callable[[nnx.Module, Any, "nnx.Rngs | None"], jax.Array]
 """`loss_fn(model, batch, rngs) -> scalar`: the mean loss of `model` on `batch`."""
 
-GradsFn: TypeAlias = Callable[
-    [nnx.Module, Any, "jax.Array | None", int], tuple[jax.Array, nnx.State]
-]
+type GradsFn = Callable[[nnx.Module, Any, "jax.Array | None", int], tuple[jax.Array, nnx.State]]
 """`grads_fn(model, batch, dropout_key, micro_batches) -> (loss, parameter gradients)`."""
 
 
 def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
-    """Mean cross-entropy of integer `targets` under `logits`."""
-    return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+    """Mean cross-entropy of integer `targets` under `logits`.
+
+    Picking each target's log-probability is a gather (`take_along_axis`), which JAX refuses
+    on Explicit axes when the vocabulary is split (tensor parallelism's logits): it cannot
+    tell where the picked values should go. There the pick is a product with the targets'
+    one-hot vectors, split as the logits are, and a sum over the split vocabulary instead: the
+    same values (every other term is an exact zero), with an all-reduce of one number per
+    token."""
+    sharding = getattr(jax.typeof(logits), "sharding", None)
+    spec = () if sharding is None else tuple(sharding.spec)
+    if len(spec) != logits.ndim or spec[-1] is None or axis_kind(sharding.mesh) != "explicit":
+        return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+    picks = jax.nn.one_hot(targets, logits.shape[-1], dtype=logits.dtype, out_sharding=sharding)
+    return -(jax.nn.log_softmax(logits) * picks).sum(-1).mean()
 
 
 def next_token_loss(model: nnx.Module, tokens: jax.Array, rngs: nnx.Rngs | None) -> jax.Array:

@@ -19,9 +19,15 @@ from flax import nnx
 from jax.sharding import NamedSharding
 
 from nnxscale.context import context_split, from_layout, ring_attention, to_layout
-from nnxscale.layout import activation_spec, constrain, weight_layout
+from nnxscale.layout import (
+    activation_spec,
+    constrain,
+    placed_einsum,
+    placed_lookup,
+    weight_layout,
+)
 from nnxscale.losses import cross_entropy
-from nnxscale.mesh import constrain_to
+from nnxscale.mesh import axis_kind, constrain_to
 from nnxscale.moe import MoE, Routing
 
 LOGICAL_AXES = ("vocab", "embed", "heads", "head_dim", "mlp", "length", "layers", "experts")
@@ -40,6 +46,12 @@ where the residual stream's sequence is gathered whole again."""
 
 HIDDEN = ("batch", "length", "mlp")
 """Logical names of the MLP's hidden activations."""
+
+SCORES = ("batch", "heads", None, None)
+"""Logical names of dense attention's scores (batch, heads, queries, keys)."""
+
+LOGITS = ("batch", "length", "vocab")
+"""Logical names of the logits: split over the vocabulary as the output head is."""
 
 RESIDUAL = ("batch", "residual_length", "embed")
 """Logical names of the residual stream: the embeddings, each block's output, and the norms
@@ -133,15 +145,20 @@ def compute_copy(param: nnx.Param, dtype: Any) -> jax.Array:
     """The weight in the compute dtype, cast where it is stored: each device casts its own
     shard, so a strategy that gathers weights (FSDP) gathers the compute-dtype copy, half the
     bytes of float32 for bfloat16. The gradient flows back in the parameter's dtype, so it is
-    reduced in float32."""
+    reduced in float32. On Explicit axes the weight is read in its read layout (gathered over
+    the axes that split the tokens, as FSDP's are): a product of rows split over `data` with a
+    weight split over `data` has no layout JAX could choose."""
     value = param[...]
-    if value.dtype == jnp.dtype(dtype):
-        return value
     names = _names(param) or None
     if names is not None:  # inside a scan over stacked layers, a slice: drop the stacked names
         names = names[len(names) - value.ndim :]
     placed = weight_layout(value.shape, names)
-    return _cast_where_stored(value, jnp.dtype(dtype), placed, value.dtype)
+    if value.dtype != jnp.dtype(dtype):
+        return _cast_where_stored(value, jnp.dtype(dtype), placed, value.dtype)
+    if placed is None or axis_kind(placed[2]) != "explicit":
+        return value
+    _, read, mesh = placed
+    return constrain_to(value, NamedSharding(mesh, read))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
@@ -180,7 +197,7 @@ class RMSNorm(nnx.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         x32 = x.astype(jnp.float32)
         normed = x32 * jax.lax.rsqrt(jnp.mean(x32**2, axis=-1, keepdims=True) + 1e-6)
-        return (normed * self.scale[...]).astype(x.dtype)
+        return (normed * compute_copy(self.scale, jnp.float32)).astype(x.dtype)
 
 
 class Attention(nnx.Module):
@@ -203,26 +220,32 @@ class Attention(nnx.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         dtype = x.dtype
         x = constrain(x, TOKENS)
-        q = constrain(jnp.einsum("ble,ehd->blhd", x, compute_copy(self.query, dtype)), HEADS)
-        k = constrain(jnp.einsum("ble,ehd->blhd", x, compute_copy(self.key, dtype)), HEADS)
-        v = constrain(jnp.einsum("ble,ehd->blhd", x, compute_copy(self.value, dtype)), HEADS)
+        q = constrain(
+            placed_einsum("ble,ehd->blhd", x, compute_copy(self.query, dtype), HEADS), HEADS
+        )
+        k = constrain(
+            placed_einsum("ble,ehd->blhd", x, compute_copy(self.key, dtype), HEADS), HEADS
+        )
+        v = constrain(
+            placed_einsum("ble,ehd->blhd", x, compute_copy(self.value, dtype), HEADS), HEADS
+        )
         ring = context_split(x.shape[1])
         if ring is None:
             context = self.dense(q, k, v)
         else:
             spec, mesh = activation_spec(q.shape, HEADS)
             context = ring_attention(q, k, v, mesh, ring, spec=spec)
-        return jnp.einsum("blhd,hde->ble", context, compute_copy(self.out, dtype))
+        return placed_einsum("blhd,hde->ble", context, compute_copy(self.out, dtype), RESIDUAL)
 
     def dense(self, q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
         """Causal attention with the whole score matrix (batch, heads, length, length)."""
         dtype = q.dtype
-        scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(self.head_dim)
+        scores = placed_einsum("bqhd,bkhd->bhqk", q, k, SCORES) / math.sqrt(self.head_dim)
         length = q.shape[1]
         causal = jnp.tril(jnp.ones((length, length), dtype=bool))
         scores = jnp.where(causal, scores.astype(jnp.float32), -1e30)
         weights = jax.nn.softmax(scores, axis=-1).astype(dtype)
-        return jnp.einsum("bhqk,bkhd->bqhd", weights, v)
+        return placed_einsum("bhqk,bkhd->bqhd", weights, v, HEADS)
 
 
 class MLP(nnx.Module):
@@ -234,8 +257,9 @@ class MLP(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         x = constrain(x, TOKENS)
-        hidden = constrain(jax.nn.gelu(x @ compute_copy(self.up, x.dtype)), HIDDEN)
-        return hidden @ compute_copy(self.down, x.dtype)
+        up = placed_einsum("ble,em->blm", x, compute_copy(self.up, x.dtype), HIDDEN)
+        hidden = constrain(jax.nn.gelu(up), HIDDEN)
+        return placed_einsum("blm,me->ble", hidden, compute_copy(self.down, x.dtype), RESIDUAL)
 
 
 class Block(nnx.Module):
@@ -367,11 +391,12 @@ BlockRunner = Callable[
 
 
 class Transformer(nnx.Module):
-    """Decoder-only language model: token and position embeddings, blocks, norm, output head."""
+    """Decoder-only language model: token and position embeddings, blocks, norm, output head.
 
-    AXIS_TYPE = "auto"
-    """The mesh axes it is written for (`nnxscale.mesh.AXIS_TYPES`): it leaves placement to
-    the compiler, with constraints from the active rules."""
+    It runs on meshes of either kind (`nnxscale.mesh.AXIS_TYPES`): its activations are
+    placed by their logical names under the active rules, on Explicit axes in the types of
+    its products and lookups (`out_sharding=`), on Auto axes by constraints the compiler
+    honours."""
 
     def __init__(self, cfg: Config, *, rngs: nnx.Rngs) -> None:
         self.cfg = cfg
@@ -434,8 +459,10 @@ class Transformer(nnx.Module):
             tokens, where = to_layout(tokens, split), jnp.asarray(split.order(length))
         # a lookup follows its table's layout: rows split as the logits' vocabulary, so the
         # lookup runs on this device's sequences, and columns whole, gathered as a weight
-        table = constrain(self.embed[...], ("vocab", None), beside=((tokens.shape[0], "batch"),))
-        x = table[tokens] + self.position[...][where]
+        batch = ((tokens.shape[0], "batch"),)
+        table = constrain(self.embed[...], ("vocab", None), beside=batch)
+        position = placed_lookup(self.position[...], where, ("residual_length", "embed"), batch)
+        x = placed_lookup(table, tokens, RESIDUAL) + position
         return constrain(x.astype(jnp.dtype(cfg.compute_dtype)), RESIDUAL)
 
     def routings(self, tokens: jax.Array) -> list[Routing]:
@@ -460,7 +487,7 @@ class Transformer(nnx.Module):
             x = constrain(from_layout(x, split), RESIDUAL)
         x = self.final_norm(x)
         head = compute_copy(self.head, x.dtype)
-        return jnp.einsum("ble,ev->blv", x, head).astype(jnp.float32)
+        return placed_einsum("ble,ev->blv", x, head, LOGITS).astype(jnp.float32)
 
     def run_blocks(self, x: jax.Array, keys: jax.Array | None) -> tuple[jax.Array, jax.Array]:
         """Every block in turn (a Python loop, or a scan over stacked blocks, held in rounds

@@ -12,7 +12,6 @@ import dataclasses
 import math
 import re
 from collections.abc import Iterable, Mapping
-from typing import TypeAlias
 
 import jax
 from jax.sharding import Mesh
@@ -20,7 +19,7 @@ from jax.sharding import Mesh
 from nnxscale.mesh import grid_shape, make_mesh
 from nnxscale.show import Markdown, table
 
-MeshAxes: TypeAlias = str | tuple[str, ...]
+type MeshAxes = str | tuple[str, ...]
 """One candidate: a mesh axis, or several mesh axes used together for one dimension."""
 
 

@@ -27,7 +27,6 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
-from jaxlib import version as jaxlib_version
 
 from nnxscale.data import check_batch_splits
 from nnxscale.init import abstract, compile_init
@@ -125,24 +124,15 @@ def check_optimizer(tx: optax.GradientTransformation) -> None:
         )
 
 
-FUSION_EMITTERS = "xla_cpu_use_fusion_emitters"
-"""XLA's CPU option to choose its MLIR fusion emitters, which jaxlib 0.11 removed: there, in
-`XLA_FLAGS` it aborts the process, and as a compile option it is refused."""
-
-_EMITTERS = jaxlib_version.__version_info__ < (0, 11)
-
-FAST_COMPILE = {"xla_backend_optimization_level": 0} | (
-    {FUSION_EMITTERS: False} if _EMITTERS else {}
-)
+FAST_COMPILE = {"xla_backend_optimization_level": 0}
 """Compiler options for programs compiled to be read more than run: the backend's (LLVM's)
-optimisations off, and on a CPU before jaxlib 0.11 its older fusion emitters instead of the
-MLIR ones, which together cut the compile time by about two thirds. The program's HLO,
-collectives and products are as they are; its temporaries differ by a few hundred bytes (at
-most 1 KiB either way, a test compares both ways). Emulated CPU devices compile every
-program this way unless asked not to (`emulate_devices`)."""
+optimisations off, which shortens compiling. The program's HLO, collectives
+and products are as they are; its temporaries differ by a few hundred bytes (at most 1 KiB
+either way, a test compares both ways). Emulated CPU devices compile every program this way
+unless asked not to (`emulate_devices`)."""
 
-OPTIMIZED = {"xla_backend_optimization_level": 3} | ({FUSION_EMITTERS: True} if _EMITTERS else {})
-"""XLA's own defaults for the options `FAST_COMPILE` sets: for a program that is timed, on
+OPTIMIZED = {"xla_backend_optimization_level": 3}
+"""XLA's own default for the option `FAST_COMPILE` sets: for a program that is timed, on
 emulated devices that compile fast by default."""
 
 
