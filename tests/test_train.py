@@ -11,8 +11,10 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from nnxscale.data import Batches, arithmetic_text, encode
+from nnxscale.hlo import collectives
 from nnxscale.losses import cross_entropy
 from nnxscale.memory import CompiledMemory, device_bytes
+from nnxscale.mesh import AxisTypeError
 from nnxscale.model import TINY, create
 from nnxscale.rules import DP, FSDP, FSDP_TP, TP, strategy_mesh
 from nnxscale.train import (
@@ -23,6 +25,7 @@ from nnxscale.train import (
     params_by_path,
     trainer_for,
     two_at_a_time,
+    unreduced_grads,
 )
 from nnxscale.trees import largest_difference
 
@@ -245,3 +248,28 @@ def test_cross_entropy_on_a_split_vocabulary_picks_by_one_hot_on_explicit_axes()
         jax.jit(lambda x, t: optax.softmax_cross_entropy_with_integer_labels(x, t))(split, targets)
     got = jax.jit(cross_entropy)(split, targets)
     np.testing.assert_allclose(got, cross_entropy(logits, targets), rtol=1e-6)
+
+
+@pytest.mark.parametrize("rules", [DP, FSDP], ids=lambda r: r.name)
+def test_unreduced_gradients_are_reduced_once_per_step(rules) -> None:
+    """With 4 micro-batches the library's step reduces about 4 P bytes of gradients (inside
+    the loop); unreduced_grads reduces exactly P once, besides the loss of each micro-batch
+    (4 bytes), and trains the same losses."""
+    m, mesh = 4, strategy_mesh(rules, explicit=True)
+    batches = Batches(encode(arithmetic_text(2000)), batch_size=32, length=32)
+    runs, reduced = {}, {}
+    for name, grads_fn in (("per micro-batch", None), ("per step", unreduced_grads)):
+        run = Trainer.create(create(TINY), adamw(), rules, mesh, micro_batches=m, grads_fn=grads_fn)
+        report = collectives(run.compile(run.batch(batches))).without_flags()
+        reduced[name] = report.array_bytes("all-reduce") + report.array_bytes("reduce-scatter")
+        runs[name] = run.train(batches, STEPS)
+    p = 4 * sum(x.size for x in jax.tree.leaves(nnx.state(create(TINY), nnx.Param)))
+    assert reduced["per step"] == p + 4 * m
+    assert (m - 1) * p < reduced["per micro-batch"] <= m * p + 4 * m
+    np.testing.assert_allclose(runs["per step"], runs["per micro-batch"], rtol=0, atol=1e-5)
+
+
+def test_unreduced_gradients_need_explicit_axes() -> None:
+    run = Trainer.create(create(TINY), adamw(), DP, strategy_mesh(DP), grads_fn=unreduced_grads)
+    with pytest.raises(AxisTypeError, match="explicit=True"):
+        run.train(BATCHES, 1)

@@ -497,6 +497,12 @@ def constrain(
     return constrain_to(x, NamedSharding(mesh, spec))
 
 
+def _explicit() -> bool:
+    """Whether rules are active on a mesh whose axes are Explicit."""
+    active = _active()
+    return active is not None and axis_kind(active[1]) == "explicit"
+
+
 def placed_einsum(
     subscripts: str, a: jax.Array, b: jax.Array, names: tuple[str | None, ...]
 ) -> jax.Array:
@@ -505,13 +511,12 @@ def placed_einsum(
     type (`out_sharding=`), which JAX requires where the inputs leave it open, as a contraction
     split on both sides (tensor parallelism's second product) does. On Auto axes, or with no
     rules active, the plain product: the compiler places it."""
+    if not _explicit():
+        return jax.numpy.einsum(subscripts, a, b)
     inputs, output = subscripts.split("->")
     sizes = dict(zip(inputs.split(",")[0], a.shape, strict=True))
     sizes.update(zip(inputs.split(",")[1], b.shape, strict=True))
-    placed = activation_spec(tuple(sizes[letter] for letter in output), names)
-    if placed is None or axis_kind(placed[1]) != "explicit":
-        return jax.numpy.einsum(subscripts, a, b)
-    spec, mesh = placed
+    spec, mesh = activation_spec(tuple(sizes[letter] for letter in output), names)
     return jax.numpy.einsum(subscripts, a, b, out_sharding=NamedSharding(mesh, spec))
 
 
@@ -525,8 +530,29 @@ def placed_lookup(
     (next to the `beside` dimensions, as in `activation_spec`) on Explicit axes: a gather
     whose layout JAX does not choose when the table is split (`.at[rows].get(out_sharding=)`).
     The plain lookup on Auto axes or with no rules active."""
-    placed = activation_spec((*rows.shape, *table.shape[1:]), names, beside)
-    if placed is None or axis_kind(placed[1]) != "explicit":
+    if not _explicit():
         return table[rows]
-    spec, mesh = placed
+    spec, mesh = activation_spec((*rows.shape, *table.shape[1:]), names, beside)
     return table.at[rows].get(out_sharding=NamedSharding(mesh, spec))
+
+
+def alongside(w: jax.Array, x: jax.Array) -> jax.Array:
+    """Weight `w` ready to meet activation `x` in an elementwise operation (a norm's scale, a
+    position embedding). On Explicit axes a weight read as `reduced` (`train.unreduced_grads`)
+    may not meet an array split over the axes it is reduced on; broadcast to `x`'s shape and
+    split as `x` is, it may, and its gradient stays unreduced. Any other `w` as it is."""
+    kind = jax.typeof(w).sharding
+    if not getattr(kind.spec, "reduced", None):
+        return w
+    return jax.sharding.reshard(jax.numpy.broadcast_to(w, x.shape), jax.typeof(x).sharding)
+
+
+def per_row(index: jax.Array, rows: jax.Array) -> jax.Array:
+    """`index` (one entry per column of `rows`, such as each token's position) broadcast to
+    `rows`'s shape and split as `rows` is, on Explicit axes: each device then looks up its own
+    rows' entries, and a table read as `reduced` (`train.unreduced_grads`) gets its gradient
+    unreduced, where a lookup shared by every row would be summed over the rows' axis at once.
+    `index` as it is on Auto axes or with no rules active."""
+    if not _explicit():
+        return index
+    return jax.numpy.broadcast_to(index, rows.shape, out_sharding=jax.typeof(rows).sharding)

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import jax
-from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 AXIS_TYPES = {
     "auto": "the compiler propagates shardings from the inputs and places every operation "
@@ -81,10 +82,21 @@ def axis_kind(mesh: Mesh) -> str:
 
 def constrain_to(x: jax.Array, sharding: NamedSharding) -> jax.Array:
     """`x` placed as `sharding` says inside a traced function, on either kind of mesh: a
-    constraint the compiler honours on Auto axes, a reshard (part of the type) on Explicit."""
-    if axis_kind(sharding.mesh) == "explicit":
-        return jax.sharding.reshard(x, sharding)
-    return jax.lax.with_sharding_constraint(x, sharding)
+    constraint the compiler honours on Auto axes, a reshard (part of the type) on Explicit.
+    On Explicit axes an `x` already split so is left as it is, reduced type included (a
+    weight read as `reduced`, whose gradient stays unreduced: `train.unreduced_grads`)."""
+    if axis_kind(sharding.mesh) != "explicit":
+        return jax.lax.with_sharding_constraint(x, sharding)
+    if partitions(jax.typeof(x).sharding.spec, x.ndim) == partitions(sharding.spec, x.ndim):
+        return x
+    return jax.sharding.reshard(x, sharding)
+
+
+def partitions(spec: PartitionSpec, ndim: int) -> tuple[Any, ...]:
+    """The mesh axes splitting each of `ndim` dimensions (None: whole), as `spec` says them:
+    trailing dimensions it leaves out are whole; reduced and unreduced axes are not splits."""
+    entries = tuple(spec.partitions) + (None,) * (ndim - len(spec.partitions))
+    return tuple((e,) if isinstance(e, str) else (tuple(e) or None if e else None) for e in entries)
 
 
 class AxisTypeError(ValueError):

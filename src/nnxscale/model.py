@@ -21,7 +21,9 @@ from jax.sharding import NamedSharding
 from nnxscale.context import context_split, from_layout, ring_attention, to_layout
 from nnxscale.layout import (
     activation_spec,
+    alongside,
     constrain,
+    per_row,
     placed_einsum,
     placed_lookup,
     weight_layout,
@@ -197,7 +199,7 @@ class RMSNorm(nnx.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         x32 = x.astype(jnp.float32)
         normed = x32 * jax.lax.rsqrt(jnp.mean(x32**2, axis=-1, keepdims=True) + 1e-6)
-        return (normed * compute_copy(self.scale, jnp.float32)).astype(x.dtype)
+        return (normed * alongside(compute_copy(self.scale, jnp.float32), normed)).astype(x.dtype)
 
 
 class Attention(nnx.Module):
@@ -461,7 +463,7 @@ class Transformer(nnx.Module):
         # lookup runs on this device's sequences, and columns whole, gathered as a weight
         batch = ((tokens.shape[0], "batch"),)
         table = constrain(self.embed[...], ("vocab", None), beside=batch)
-        position = placed_lookup(self.position[...], where, ("residual_length", "embed"), batch)
+        position = placed_lookup(self.position[...], per_row(where, tokens), RESIDUAL)
         x = placed_lookup(table, tokens, RESIDUAL) + position
         return constrain(x.astype(jnp.dtype(cfg.compute_dtype)), RESIDUAL)
 

@@ -33,7 +33,14 @@ from nnxscale.init import abstract, compile_init
 from nnxscale.integrity import new_run
 from nnxscale.layout import Layout, ReplicationWarning, activation_rules, resolve
 from nnxscale.losses import GradsFn, LossFn, next_token_loss
-from nnxscale.mesh import AXIS_TYPES, AxisTypeError, axis_kind, axis_type_error, constrain_to
+from nnxscale.mesh import (
+    AXIS_TYPES,
+    AxisTypeError,
+    axis_kind,
+    axis_type_error,
+    constrain_to,
+    partitions,
+)
 from nnxscale.model import TINY, Config, create
 from nnxscale.rules import Rules, strategy_mesh
 from nnxscale.trees import flat, is_key, place
@@ -234,6 +241,71 @@ def loss_and_grads(
     micro = split_micro_batches(batch, micro_batches)
     (loss, grads), _ = jax.lax.scan(accumulate, zero, (micro, jnp.arange(micro_batches)))
     return loss / micro_batches, jax.tree.map(lambda g: g / micro_batches, grads)
+
+
+def unreduced_grads(
+    model: nnx.Module,
+    batch: Any,
+    key: jax.Array | None,
+    micro_batches: int = 1,
+    *,
+    loss_fn: LossFn = next_token_loss,
+) -> tuple[jax.Array, nnx.State]:
+    """`loss_and_grads`, with the gradients reduced once per step instead of once per
+    micro-batch: on Explicit axes only, where a sharding can say "reduced".
+
+    Every parameter is first read whole over the axes that split the batch, as the type
+    `reduced` (`jax.reshard(w, P(..., reduced={"data"}))`): an all-gather for what FSDP splits,
+    nothing for what DP replicates. A reduced value's gradient is *unreduced*: each device
+    holds its own rows' partial sum, and autodiff sums nothing. The partial sums of the
+    micro-batches add up in a carry of that type, and one reshard to each parameter's own
+    layout at the end is the step's only gradient reduction (a reduce-scatter for FSDP, an
+    all-reduce for DP), where `loss_and_grads` reduces inside the loop, once a micro-batch.
+    The price is memory: whole weights and a whole gradient sum on every device for the
+    step, as DP holds them.
+    """
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    rows = jax.typeof(jax.tree.leaves(batch)[0]).sharding
+    if axis_kind(rows.mesh) != "explicit":
+        raise AxisTypeError(
+            "unreduced gradients are a type, which JAX gives arrays on Explicit mesh axes only: "
+            "build the mesh with nx.strategy_mesh(rules, explicit=True), or train with "
+            "loss_and_grads (the default), which reduces once per micro-batch."
+        )
+    token_axes = set(partitions(rows.spec, 1)[0] or ())
+
+    def whole(spec: P, ndim: int, **kinds: set[str]) -> P:
+        kept = [
+            tuple(a for a in (axes or ()) if a not in token_axes) or None
+            for axes in partitions(spec, ndim)
+        ]
+        return P(*kept, **kinds)
+
+    stored = jax.tree.map(lambda w: jax.typeof(w).sharding.spec, params)
+    read = jax.tree.map(
+        lambda w: jax.reshard(w, whole(jax.typeof(w).sharding.spec, w.ndim, reduced=token_axes)),
+        params,
+    )
+
+    def loss_of(params: nnx.State, batch: Any, key: jax.Array | None) -> jax.Array:
+        rngs = None if key is None else nnx.Rngs(dropout=key)
+        return loss_fn(nnx.merge(graphdef, params, rest), batch, rngs)
+
+    def accumulate(total, inputs):
+        micro, index = inputs
+        micro_key = None if key is None else jax.random.fold_in(key, index)
+        loss, grads = jax.value_and_grad(loss_of)(read, micro, micro_key)
+        return jax.tree.map(jnp.add, total, (loss, grads)), None
+
+    def unreduced_zeros(w: jax.Array) -> jax.Array:
+        spec = whole(jax.typeof(w).sharding.spec, w.ndim, unreduced=token_axes)
+        return jax.reshard(jnp.zeros(w.shape, w.dtype), spec)
+
+    zero = (jnp.zeros((), jnp.float32), jax.tree.map(unreduced_zeros, params))
+    micro = split_micro_batches(batch, micro_batches)
+    (loss, sums), _ = jax.lax.scan(accumulate, zero, (micro, jnp.arange(micro_batches)))
+    grads = jax.tree.map(lambda g, spec: jax.reshard(g, spec) / micro_batches, sums, stored)
+    return loss / micro_batches, grads
 
 
 def train_step(
