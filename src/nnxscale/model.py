@@ -184,7 +184,10 @@ def _cast_forward(value: jax.Array, dtype: Any, placed: Any, stored: Any) -> tup
 
 
 def _cast_backward(dtype: Any, placed: Any, stored: Any, _: None, grad: jax.Array) -> tuple:
-    return (grad.astype(stored),)
+    grad = grad.astype(stored)
+    if placed is not None and axis_kind(placed[2]) == "explicit":  # the type of the weight
+        grad = jax.sharding.reshard(grad, NamedSharding(placed[2], placed[0]))
+    return (grad,)
 
 
 _cast_where_stored.defvjp(_cast_forward, _cast_backward)

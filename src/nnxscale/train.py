@@ -725,14 +725,16 @@ def trainer_for(
     model: Config | nnx.Module | Callable[[], nnx.Module] = TINY,
     *,
     mesh: Mesh | None = None,
+    explicit: bool = False,
     tx: optax.GradientTransformation | None = None,
     options: TrainOptions | None = None,
     **changes: Any,
 ) -> Trainer:
-    """A trainer for `model` under `rules` on `devices` devices (`strategy_mesh`), or on
-    `mesh`: the book's Transformer for a `Config` (default `TINY`), or any module or function
-    that creates one; trained with `tx` (default `adamw()`) as `options` with `changes` say."""
-    mesh = mesh if mesh is not None else strategy_mesh(rules, devices)
+    """A trainer for `model` under `rules` on `devices` devices (`strategy_mesh`, with
+    Explicit axes if `explicit`), or on `mesh`: the book's Transformer for a `Config` (default
+    `TINY`), or any module or function that creates one; trained with `tx` (default `adamw()`)
+    as `options` with `changes` say."""
+    mesh = mesh if mesh is not None else strategy_mesh(rules, devices, explicit=explicit)
     model = create(model) if isinstance(model, Config) else model
     return Trainer.create(model, tx or adamw(), rules, mesh, options, **changes)
 
