@@ -189,9 +189,54 @@ def split_micro_batches(batch: Any, k: int) -> Any:
             )
 
     def split(x: jax.Array) -> jax.Array:
-        return jnp.moveaxis(x.reshape(x.shape[0] // k, k, *x.shape[1:]), 1, 0)
+        moved = jnp.moveaxis(x.reshape(x.shape[0] // k, k, *x.shape[1:]), 1, 0)
+        sharding = getattr(jax.typeof(x), "sharding", None)
+        if sharding is None or axis_kind(sharding.mesh) != "explicit":
+            return moved
+        # on Explicit axes the reshape may put the rows' axes on the micro-batch dimension
+        # (a dimension of size 1 takes none), which a scan cannot step over: keep them on rows
+        spec = P(None, *partitions(sharding.spec, x.ndim))
+        return jax.sharding.reshard(moved, NamedSharding(sharding.mesh, spec))
 
     return jax.tree.map(split, batch)
+
+
+def mean_loss(model: nnx.Module, loss_fn: LossFn) -> Callable[..., jax.Array]:
+    """`loss(params, batch, key)`: `loss_fn` of `model` with `params` for its parameters and
+    `key` for its dropout stream (`nnx.Rngs(dropout=key)`, or None without dropout), refused
+    unless it is a scalar."""
+    graphdef, _, rest = nnx.split(model, nnx.Param, ...)
+
+    def loss(params: nnx.State, batch: Any, key: jax.Array | None) -> jax.Array:
+        rngs = None if key is None else nnx.Rngs(dropout=key)
+        value = loss_fn(nnx.merge(graphdef, params, rest), batch, rngs)
+        if jnp.shape(value) != ():
+            raise ValueError(
+                f"the loss function returned an array of shape {jnp.shape(value)}; it must "
+                "return the mean loss, a scalar (e.g. end it with .mean())."
+            )
+        return value
+
+    return loss
+
+
+def summed_over_micro_batches(
+    loss_and_grads_of: Callable[[Any, jax.Array | None], tuple[jax.Array, Any]],
+    zero: tuple[jax.Array, Any],
+    batch: Any,
+    key: jax.Array | None,
+    micro_batches: int,
+) -> tuple[jax.Array, Any]:
+    """The sums, from `zero`, of `loss_and_grads_of(micro_batch, key)` over `micro_batches`
+    slices of `batch` in a `jax.lax.scan`, each with `key` folded with its index."""
+
+    def accumulate(total, inputs):
+        micro, index = inputs
+        micro_key = None if key is None else jax.random.fold_in(key, index)
+        return jax.tree.map(jnp.add, total, loss_and_grads_of(micro, micro_key)), None
+
+    micro = split_micro_batches(batch, micro_batches)
+    return jax.lax.scan(accumulate, zero, (micro, jnp.arange(micro_batches)))[0]
 
 
 def loss_and_grads(
@@ -210,36 +255,22 @@ def loss_and_grads(
     if given, is where each micro-batch's gradients and their running sum go (ZeRO-2 splits
     them while the parameters stay whole); otherwise the compiler places them.
     """
-    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-
-    def loss_of(params: nnx.State, batch: Any, key: jax.Array | None) -> jax.Array:
-        rngs = None if key is None else nnx.Rngs(dropout=key)
-        loss = loss_fn(nnx.merge(graphdef, params, rest), batch, rngs)
-        if jnp.shape(loss) != ():
-            raise ValueError(
-                f"the loss function returned an array of shape {jnp.shape(loss)}; it must "
-                "return the mean loss, a scalar (e.g. end it with .mean())."
-            )
-        return loss
+    params = nnx.state(model, nnx.Param)
+    loss_of = mean_loss(model, loss_fn)
 
     def place(grads: nnx.State) -> nnx.State:
         if grad_shardings is None:
             return grads
         return jax.tree.map(constrain_to, grads, grad_shardings)
 
-    if micro_batches == 1:
+    def loss_and_grads_of(batch: Any, key: jax.Array | None) -> tuple[jax.Array, nnx.State]:
         loss, grads = jax.value_and_grad(loss_of)(params, batch, key)
         return loss, place(grads)
 
-    def accumulate(total, inputs):
-        micro, index = inputs
-        micro_key = None if key is None else jax.random.fold_in(key, index)
-        loss, grads = jax.value_and_grad(loss_of)(params, micro, micro_key)
-        return jax.tree.map(jnp.add, total, (loss, place(grads))), None
-
+    if micro_batches == 1:
+        return loss_and_grads_of(batch, key)
     zero = (jnp.zeros((), jnp.float32), place(jax.tree.map(jnp.zeros_like, params)))
-    micro = split_micro_batches(batch, micro_batches)
-    (loss, grads), _ = jax.lax.scan(accumulate, zero, (micro, jnp.arange(micro_batches)))
+    loss, grads = summed_over_micro_batches(loss_and_grads_of, zero, batch, key, micro_batches)
     return loss / micro_batches, jax.tree.map(lambda g: g / micro_batches, grads)
 
 
@@ -264,7 +295,7 @@ def unreduced_grads(
     The price is memory: whole weights and a whole gradient sum on every device for the
     step, as DP holds them.
     """
-    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    params = nnx.state(model, nnx.Param)
     rows = jax.typeof(jax.tree.leaves(batch)[0]).sharding
     if axis_kind(rows.mesh) != "explicit":
         raise AxisTypeError(
@@ -287,23 +318,17 @@ def unreduced_grads(
         params,
     )
 
-    def loss_of(params: nnx.State, batch: Any, key: jax.Array | None) -> jax.Array:
-        rngs = None if key is None else nnx.Rngs(dropout=key)
-        return loss_fn(nnx.merge(graphdef, params, rest), batch, rngs)
+    loss_of = mean_loss(model, loss_fn)
 
-    def accumulate(total, inputs):
-        micro, index = inputs
-        micro_key = None if key is None else jax.random.fold_in(key, index)
-        loss, grads = jax.value_and_grad(loss_of)(read, micro, micro_key)
-        return jax.tree.map(jnp.add, total, (loss, grads)), None
+    def loss_and_grads_of(batch: Any, key: jax.Array | None) -> tuple[jax.Array, nnx.State]:
+        return jax.value_and_grad(loss_of)(read, batch, key)
 
     def unreduced_zeros(w: jax.Array) -> jax.Array:
         spec = whole(jax.typeof(w).sharding.spec, w.ndim, unreduced=token_axes)
         return jax.reshard(jnp.zeros(w.shape, w.dtype), spec)
 
     zero = (jnp.zeros((), jnp.float32), jax.tree.map(unreduced_zeros, params))
-    micro = split_micro_batches(batch, micro_batches)
-    (loss, sums), _ = jax.lax.scan(accumulate, zero, (micro, jnp.arange(micro_batches)))
+    loss, sums = summed_over_micro_batches(loss_and_grads_of, zero, batch, key, micro_batches)
     grads = jax.tree.map(lambda g, spec: jax.reshard(g, spec) / micro_batches, sums, stored)
     return loss / micro_batches, grads
 
