@@ -191,7 +191,9 @@ def split_micro_batches(batch: Any, k: int) -> Any:
     def split(x: jax.Array) -> jax.Array:
         moved = jnp.moveaxis(x.reshape(x.shape[0] // k, k, *x.shape[1:]), 1, 0)
         sharding = getattr(jax.typeof(x), "sharding", None)
-        if sharding is None or axis_kind(sharding.mesh) != "explicit":
+        if sharding is None or not sharding.mesh.axis_names:  # no mesh: nothing is placed
+            return moved
+        if axis_kind(sharding.mesh) != "explicit":
             return moved
         # on Explicit axes the reshape may put the rows' axes on the micro-batch dimension
         # (a dimension of size 1 takes none), which a scan cannot step over: keep them on rows
