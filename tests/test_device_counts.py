@@ -1,5 +1,7 @@
 """Every chapter executes unchanged with other emulated device counts: one device, two, a
-count that divides none of the model's widths (6), and 4 and 16 (the book builds with 8).
+count that divides none of the model's widths (6), and 16 (the book builds with 8). Four, a
+power of two that divides every width as 8 does, is left out: on jax 0.12 the CPU compiles
+about twice as slowly, and the whole suite must stay within CI's 90 minutes.
 
 One class per count: pytest-xdist (`--dist loadscope`) gives each class to one worker, so the
 counts run side by side.
@@ -57,7 +59,6 @@ def with_devices(devices: int) -> type:
 
 TestDevices1 = with_devices(1)
 TestDevices2 = with_devices(2)
-TestDevices4 = with_devices(4)
 TestDevices6 = with_devices(6)
 TestDevices16 = with_devices(16)
 
