@@ -40,11 +40,11 @@ def make_mesh(
     """`jax.make_mesh` over all (or the given) devices, with Auto axes unless `explicit`.
 
     Which type a model needs depends on how it is written (`AXIS_TYPES`): Auto for a model
-    that leaves placement to the compiler (the book's Transformer, `with_sharding_constraint`,
-    any unannotated model); Explicit for one that says where its operations' outputs go
-    (`out_sharding=`, `jax.sharding.reshard`), in the explicit-sharding style of JAX's
-    guide. The library's rule sets, placement, initialisation, trainer and checkpoints work
-    on both. `jax.make_mesh` itself defaults to Explicit axes.
+    that leaves placement to the compiler (`with_sharding_constraint`, any unannotated
+    model); Explicit for one that says where its operations' outputs go (`out_sharding=`,
+    `jax.sharding.reshard`), in the explicit-sharding style of JAX's guide. The book's
+    Transformer says so and runs on both, as do the library's rule sets, placement,
+    initialisation, trainer and checkpoints. `jax.make_mesh` itself defaults to Explicit axes.
     """
     shape, names = tuple(shape), tuple(names)
     if len(shape) != len(names):
