@@ -28,11 +28,11 @@ from jax.sharding import Mesh
 
 from nnxscale import cli
 from nnxscale.checkpoint import Checkpoints, checksums
-from nnxscale.data import book_batches
-from nnxscale.devices import emulate_devices
 from nnxscale.model import BENCH, TINY, Config, Transformer, create
-from nnxscale.rules import FSDP, TP, Rules, strategy_mesh
+from nnxscale.placement.rules import FSDP, TP, Rules, strategy_mesh
+from nnxscale.runtime.devices import emulate_devices
 from nnxscale.train import Trainer, adamw
+from nnxscale.train.data import book_batches
 
 
 def median_seconds(action: Callable[[], object], repeats: int) -> float:

@@ -20,11 +20,9 @@ import time
 import jax
 
 from nnxscale import pipeline
-from nnxscale.data import book_batches
-from nnxscale.devices import emulate_devices
-from nnxscale.memory import CompiledMemory
+from nnxscale.core.memory import CompiledMemory
 from nnxscale.model import TINY, create
-from nnxscale.schedules import (
+from nnxscale.parallelism.schedules import (
     bubble_formula,
     gpipe,
     interleaved,
@@ -33,6 +31,8 @@ from nnxscale.schedules import (
     zero_bubble,
     zero_bubble_formula,
 )
+from nnxscale.runtime.devices import emulate_devices
+from nnxscale.train.data import book_batches
 
 MODEL = TINY.replace(layers=8, scan_layers=True)
 ROWS = 2  # rows per micro-batch

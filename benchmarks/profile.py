@@ -32,7 +32,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     args = parser.parse_args()
     os.environ.setdefault("NNXSCALE_DEVICES", "native")
-    from nnxscale.devices import emulate_devices
+    from nnxscale.runtime.devices import emulate_devices
 
     emulate_devices(optimize=True)  # timed: XLA's own compiler options
     import jax

@@ -25,17 +25,17 @@ BATCH, LENGTH = 16, 128
 
 def worker(steps: int) -> None:
     """Measure every strategy on this process's devices; print one JSON line per strategy."""
-    from nnxscale.devices import emulate_devices
+    from nnxscale.runtime.devices import emulate_devices
 
     emulate_devices(optimize=True)  # timed: XLA's own compiler options
     import jax
     import optax
 
-    from nnxscale.data import Batches, arithmetic_text, encode
-    from nnxscale.hlo import collectives
-    from nnxscale.memory import CompiledMemory
-    from nnxscale.rules import RULE_SETS, strategy_mesh
+    from nnxscale.analysis.hlo import collectives
+    from nnxscale.core.memory import CompiledMemory
+    from nnxscale.placement.rules import RULE_SETS, strategy_mesh
     from nnxscale.train import Trainer
+    from nnxscale.train.data import Batches, arithmetic_text, encode
 
     n = jax.device_count()
     batches = Batches(encode(arithmetic_text(20_000)), BATCH, LENGTH)

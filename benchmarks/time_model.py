@@ -30,17 +30,17 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     args = parser.parse_args()
     os.environ.setdefault("NNXSCALE_DEVICES", "1")
-    from nnxscale.devices import emulate_devices
+    from nnxscale.runtime.devices import emulate_devices
 
     emulate_devices(optimize=True)  # timed: XLA's own compiler options
     import jax
     import optax
 
     from nnxscale import costs, machine
-    from nnxscale.data import Batches, arithmetic_text, encode
     from nnxscale.model import Config, create
-    from nnxscale.rules import DP, strategy_mesh
+    from nnxscale.placement.rules import DP, strategy_mesh
     from nnxscale.train import Trainer
+    from nnxscale.train.data import Batches, arithmetic_text, encode
 
     dtype = "float32" if jax.default_backend() == "cpu" else "bfloat16"
     hw = machine.measure(dtype)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import yaml
 
-from nnxscale.launch import run
+from nnxscale.runtime.launch import run
 
 ROOT = Path(__file__).resolve().parent.parent
 CHAPTERS = sorted((ROOT / "chapters").glob("[0-9A-Z][0-9]_*.md"))

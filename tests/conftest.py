@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from nnxscale.devices import emulate_devices
-from nnxscale.launch import Run, run
+from nnxscale.runtime.devices import emulate_devices
+from nnxscale.runtime.launch import Run, run
 
 from book import ROOT
 
@@ -62,3 +62,18 @@ def built_book(tmp_path_factory: pytest.TempPathFactory) -> Path:
             status.write_text(str(result.returncodes[0]))
     assert status.read_text() == "0", log_file.read_text()[-5000:]
     return ROOT / "_build" / "html"
+
+
+EXECUTES_CHAPTERS = {"test_device_counts.py", "test_colab.py"}
+"""Test modules that execute chapters outside the book's build: the sweep tier."""
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Keep the fast tier fast: a test of the built book must be marked `book`, and one that
+    executes chapters itself `sweep`, so that `-m "not book and not sweep"` executes none."""
+    for item in items:
+        marks = {m.name for m in item.iter_markers()}
+        if "built_book" in getattr(item, "fixturenames", ()) and "book" not in marks:
+            raise pytest.UsageError(f"{item.nodeid} uses the built book: mark it `book`")
+        if item.path.name in EXECUTES_CHAPTERS and "sweep" not in marks:
+            raise pytest.UsageError(f"{item.nodeid} executes chapters: mark it `sweep`")

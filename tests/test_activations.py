@@ -9,12 +9,12 @@ from flax import nnx
 from jax.sharding import AbstractMesh, AxisType
 
 from nnxscale import activations, moe
-from nnxscale.formula import Formula
-from nnxscale.layout import activation_rules
-from nnxscale.losses import next_token_loss
-from nnxscale.memory import residual_arrays
+from nnxscale.core.memory import residual_arrays
+from nnxscale.costs.formula import Formula
 from nnxscale.model import Config, create
-from nnxscale.rules import CP
+from nnxscale.model.losses import next_token_loss
+from nnxscale.placement.layout import activation_rules
+from nnxscale.placement.rules import CP
 
 OTHER = dict(vocab=96, embed=48, heads=6, head_dim=8, mlp=80, layers=3)
 """Sizes the calibration never saw: none is one of its primes."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from nnxscale.agree import order_ulps
+from nnxscale.train.agree import order_ulps
 
 
 @pytest.mark.parametrize("terms", [64, 512, 1024, 4096])

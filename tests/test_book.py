@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from nnxscale.launch import Run
+from nnxscale.runtime.launch import Run
 
 from book import CHAPTERS, ROOT, copy_checkout
 from conftest import jupyter_book

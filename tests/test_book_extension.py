@@ -144,7 +144,7 @@ def fake_app(srcdir: Path = ROOT):
         ("nnx.Rngs", ext.NNX + "rnglib.html#flax.nnx.Rngs"),
         ("benchmarks/fsdp.py", "https://github.com/o/r/blob/main/benchmarks/fsdp.py"),
         ("src/nnxscale/", "https://github.com/o/r/tree/main/src/nnxscale"),
-        ("nx.hlo", "https://github.com/o/r/blob/main/src/nnxscale/hlo.py"),
+        ("nx.hlo", "https://github.com/o/r/blob/main/src/nnxscale/analysis/hlo.py"),
         ("model", None),
         ("a/b/not-a-file.py", None),
     ],
@@ -160,7 +160,7 @@ def test_library_names_link_to_the_line_that_defines_them() -> None:
 
     url = ext.link_target("nx.Trainer.create", fake_app())
     line = inspect.getsourcelines(nx.Trainer.create)[1]
-    assert url == f"https://github.com/o/r/blob/main/src/nnxscale/train.py#L{line}"
+    assert url == f"https://github.com/o/r/blob/main/src/nnxscale/train/trainer.py#L{line}"
 
 
 def test_bibliography_labels_read_like_the_citations() -> None:

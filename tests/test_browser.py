@@ -440,7 +440,7 @@ def calculator_grid() -> list[dict]:
     experts, clusters and setups (each with its remat policies and two micro-batch counts):
     over 500 inputs, some that cannot run."""
     from nnxscale import costs
-    from nnxscale.planner import EXPERT_PLANNED, PLANNED
+    from nnxscale.costs.planner import EXPERT_PLANNED, PLANNED
 
     dense = {"experts": 0, "top_k": 1, "capacity_factor": 2.0}
     small = dict(vocab=96, embed=48, heads=6, head_dim=8, mlp=80, layers=6, **dense)
@@ -495,7 +495,7 @@ def test_the_calculator_computes_what_the_library_computes(browser, site: str) -
     numbers (memory by part, peak, bytes, FLOPs, times, to 1e-9 relative) or its reason."""
     from nnxscale import calculator, costs
     from nnxscale.model import Config
-    from nnxscale.rules import STRATEGIES
+    from nnxscale.placement.rules import STRATEGIES
 
     page, problems = open_page(browser, f"{site}/chapters/12_choosing_a_strategy.html")
     grid = calculator_grid()

@@ -29,16 +29,16 @@ from nnxscale.checkpoint import (
     record_from,
     sealed,
 )
-from nnxscale.data import Batches, book_batches
-from nnxscale.init import abstract
-from nnxscale.integrity import seal
-from nnxscale.layout import Layout, resolve
-from nnxscale.losses import next_token_loss
-from nnxscale.mesh import make_mesh
+from nnxscale.checkpoint.integrity import seal
 from nnxscale.model import TINY, Config, Transformer, create
-from nnxscale.rules import DP, FSDP, TP, strategy_mesh
-from nnxscale.schedules import interleaved
+from nnxscale.model.losses import next_token_loss
+from nnxscale.parallelism.schedules import interleaved
+from nnxscale.placement.init import abstract
+from nnxscale.placement.layout import Layout, resolve
+from nnxscale.placement.mesh import make_mesh
+from nnxscale.placement.rules import DP, FSDP, TP, strategy_mesh
 from nnxscale.train import FAST_COMPILE, Trainer, TrainOptions, TrainState, adamw
+from nnxscale.train.data import Batches, book_batches
 
 BATCHES = book_batches(batch_size=16)
 

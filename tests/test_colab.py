@@ -20,11 +20,11 @@ import nbformat
 import pytest
 from nbclient import NotebookClient
 
-from nnxscale.launch import run
+from nnxscale.runtime.launch import run
 
 from book import CHAPTERS, KERNEL_PACKAGES, ROOT, copy_checkout
 
-pytestmark = pytest.mark.book
+pytestmark = pytest.mark.sweep
 
 
 def pinned(destination: Path) -> Path:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from nnxscale.comm import ring_bytes
+from nnxscale.analysis.comm import ring_bytes
 
 ITEM = 4  # bytes of one float32 element
 

@@ -15,8 +15,8 @@ from jax.sharding import PartitionSpec as P
 
 import nnxscale as nx
 from nnxscale import context, costs, layout
-from nnxscale.hlo import collectives
-from nnxscale.mesh import make_mesh
+from nnxscale.analysis.hlo import collectives
+from nnxscale.placement.mesh import make_mesh
 
 B, T, H, D = 2, 64, 4, 16
 

@@ -12,16 +12,16 @@ from flax import nnx
 from jax.sharding import AbstractMesh, AxisType
 
 from nnxscale import activations, costs, pipeline, schedules
-from nnxscale.comm import ring_bytes
-from nnxscale.data import Batches, arithmetic_text, encode
-from nnxscale.hlo import collectives, dot_flops
-from nnxscale.init import abstract
-from nnxscale.layout import resolve
-from nnxscale.memory import CompiledMemory
+from nnxscale.analysis.comm import ring_bytes
+from nnxscale.analysis.hlo import collectives, dot_flops
+from nnxscale.core.memory import CompiledMemory
+from nnxscale.costs.planner import TOLERANCE
 from nnxscale.model import TINY, Config, count_params, create
-from nnxscale.planner import TOLERANCE
-from nnxscale.rules import STRATEGIES, strategy_mesh
+from nnxscale.placement.init import abstract
+from nnxscale.placement.layout import resolve
+from nnxscale.placement.rules import STRATEGIES, strategy_mesh
 from nnxscale.train import FAST_COMPILE, OPTIMIZED, Trainer, compile_all, trainer_for
+from nnxscale.train.data import Batches, arithmetic_text, encode
 
 CORPUS = encode(arithmetic_text(4000))
 BATCHES = Batches(CORPUS, batch_size=8, length=32)
@@ -400,7 +400,7 @@ def test_bad_setups_and_hardware_are_refused() -> None:
     with pytest.raises(ValueError, match="no hardware named 'A100'"):
         costs.hardware("A100")
     with pytest.raises(ValueError, match="automatic FSDP"):
-        from nnxscale.rules import auto_fsdp
+        from nnxscale.placement.rules import auto_fsdp
 
         costs.derive(auto_fsdp())
 

@@ -7,8 +7,8 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from nnxscale.data import Batches, arithmetic_text, check_batch_splits, decode, encode
-from nnxscale.mesh import make_mesh
+from nnxscale.placement.mesh import make_mesh
+from nnxscale.train.data import Batches, arithmetic_text, check_batch_splits, decode, encode
 
 
 def test_corpus_is_deterministic_and_correct() -> None:

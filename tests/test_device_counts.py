@@ -22,7 +22,7 @@ from conftest import ROOT
 sys.path.insert(0, str(ROOT / "book" / "_ext"))
 from nnxscale_book import shared_compilation
 
-pytestmark = pytest.mark.book
+pytestmark = pytest.mark.sweep
 
 
 @pytest.fixture(scope="session")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from nnxscale.devices import fast_compile_flags, requested_devices
+from nnxscale.runtime.devices import fast_compile_flags, requested_devices
 
 from conftest import run_python
 
@@ -12,14 +12,16 @@ REPORT = "import jax; print(jax.device_count(), jax.devices()[0].platform)"
 
 
 def test_emulates_the_requested_count_before_jax_starts() -> None:
-    out = run_python(f"from nnxscale.devices import emulate_devices; emulate_devices(4); {REPORT}")
+    out = run_python(
+        f"from nnxscale.runtime.devices import emulate_devices; emulate_devices(4); {REPORT}"
+    )
     assert out.returncodes == [0], out.text
     assert out.output[-1].split() == ["4", "cpu"]
 
 
 def test_works_when_jax_is_imported_but_not_started() -> None:
     out = run_python(
-        f"import jax; from nnxscale.devices import emulate_devices; emulate_devices(3); {REPORT}"
+        f"import jax; from nnxscale.runtime.devices import emulate_devices; emulate_devices(3); {REPORT}"
     )
     assert out.returncodes == [0], out.text
     assert out.output[-1].split() == ["3", "cpu"]
@@ -27,7 +29,7 @@ def test_works_when_jax_is_imported_but_not_started() -> None:
 
 def test_count_comes_from_the_environment_variable() -> None:
     out = run_python(
-        f"from nnxscale.devices import emulate_devices; emulate_devices(); {REPORT}",
+        f"from nnxscale.runtime.devices import emulate_devices; emulate_devices(); {REPORT}",
         NNXSCALE_DEVICES="16",
     )
     assert out.returncodes == [0], out.text
@@ -43,7 +45,7 @@ def test_forces_the_cpu_platform_even_when_a_gpu_platform_was_chosen() -> None:
     # On a Colab GPU runtime JAX would pick the GPU; asking for "cuda" here, where there is no
     # GPU, would fail outright unless the helper switches the platform to CPU.
     out = run_python(
-        f"from nnxscale.devices import emulate_devices; emulate_devices(2); {REPORT}",
+        f"from nnxscale.runtime.devices import emulate_devices; emulate_devices(2); {REPORT}",
         JAX_PLATFORMS="cuda",
     )
     assert out.returncodes == [0], out.text
@@ -53,7 +55,7 @@ def test_forces_the_cpu_platform_even_when_a_gpu_platform_was_chosen() -> None:
 def test_too_late_raises_a_clear_error_that_says_restart() -> None:
     code = (
         "import jax; jax.devices()\n"
-        "from nnxscale.devices import emulate_devices, EmulationTooLateError\n"
+        "from nnxscale.runtime.devices import emulate_devices, EmulationTooLateError\n"
         "try:\n    emulate_devices(4)\nexcept EmulationTooLateError as e:\n    print(e)\n"
     )
     out = run_python(code, JAX_PLATFORMS="cpu")
@@ -64,7 +66,7 @@ def test_too_late_raises_a_clear_error_that_says_restart() -> None:
 
 def test_repeating_the_same_request_after_start_is_harmless() -> None:
     code = (
-        "from nnxscale.devices import emulate_devices\n"
+        "from nnxscale.runtime.devices import emulate_devices\n"
         f"emulate_devices(4); import jax; jax.devices(); emulate_devices(4); {REPORT}"
     )
     out = run_python(code)
@@ -75,7 +77,7 @@ def test_repeating_the_same_request_after_start_is_harmless() -> None:
 def test_native_leaves_jax_alone_when_it_finds_several_devices() -> None:
     # XLA_FLAGS stands in for a host with 4 accelerators: JAX finds them without being asked.
     code = (
-        "from nnxscale.devices import emulate_devices; import jax\n"
+        "from nnxscale.runtime.devices import emulate_devices; import jax\n"
         "assert emulate_devices('native') is None\n"
         f"print(jax.config.jax_num_cpu_devices); {REPORT}"
     )
@@ -85,7 +87,9 @@ def test_native_leaves_jax_alone_when_it_finds_several_devices() -> None:
 
 
 def test_native_with_one_device_emulates_eight_and_says_so() -> None:
-    code = f"from nnxscale.devices import emulate_devices; print(emulate_devices()); {REPORT}"
+    code = (
+        f"from nnxscale.runtime.devices import emulate_devices; print(emulate_devices()); {REPORT}"
+    )
     out = run_python(code, NNXSCALE_DEVICES="native", JAX_PLATFORMS="cpu")
     assert out.returncodes == [0], out.text
     assert "JAX finds 1 cpu device(s) here" in out.text
@@ -94,7 +98,7 @@ def test_native_with_one_device_emulates_eight_and_says_so() -> None:
 
 
 def test_native_names_the_fix_when_jax_cannot_start() -> None:
-    code = "from nnxscale.devices import emulate_devices; emulate_devices('native')"
+    code = "from nnxscale.runtime.devices import emulate_devices; emulate_devices('native')"
     out = run_python(code, JAX_PLATFORMS="cuda")  # no GPU here
     assert out.returncodes != [0]
     assert "JAX could not start on its own devices" in out.text
@@ -122,7 +126,7 @@ def test_bad_argument_is_named_as_an_argument() -> None:
 
 COMPILED_AS = """
 import os, jax, jax.numpy as jnp, numpy as np
-from nnxscale.devices import emulate_devices
+from nnxscale.runtime.devices import emulate_devices
 from nnxscale.train import FAST_COMPILE, OPTIMIZED
 emulate_devices(2{optimize})
 x = jax.random.normal(jax.random.key(0), (4096,))
@@ -162,7 +166,7 @@ def test_a_readers_own_xla_flags_win() -> None:
 
 def test_emulating_spares_the_garbage_collector() -> None:
     code = (
-        "import gc; from nnxscale.devices import emulate_devices, GC_THRESHOLD\n"
+        "import gc; from nnxscale.runtime.devices import emulate_devices, GC_THRESHOLD\n"
         "emulate_devices(2)\n"
         "print(gc.get_freeze_count() > 10_000, gc.get_threshold() == GC_THRESHOLD)"
     )
@@ -174,7 +178,7 @@ def test_emulating_spares_the_garbage_collector() -> None:
 def test_native_on_one_accelerator_keeps_it_beside_the_emulated_devices() -> None:
     # what a one-GPU machine reports, without one: the CPU devices come first, the default
     code = (
-        "import nnxscale.devices as d; d.native_devices = lambda: (1, 'gpu', 'cuda'); "
+        "import nnxscale.runtime.devices as d; d.native_devices = lambda: (1, 'gpu', 'cuda'); "
         "d.emulate_devices('native'); import jax, os; "
         "print(jax.config.jax_platforms, os.environ['XLA_PYTHON_CLIENT_PREALLOCATE'])"
     )

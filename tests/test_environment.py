@@ -8,7 +8,14 @@ from importlib import metadata
 import jax
 import pytest
 
-from nnxscale.environment import PYTHON, REQUIRED, check_versions, devices, release, versions
+from nnxscale.runtime.environment import (
+    PYTHON,
+    REQUIRED,
+    check_versions,
+    devices,
+    release,
+    versions,
+)
 
 from book import ROOT
 

@@ -8,7 +8,7 @@ import math
 import pytest
 
 from nnxscale import cli, events
-from nnxscale.events import Checksums, Hello, Resumed, Saving, Step
+from nnxscale.runtime.events import Checksums, Hello, Resumed, Saving, Step
 
 # Output as a launcher collects it: prefixed lines of two workers, and a line of the
 # collectives library, a warning, a blank line and JSON that is no event between them.

@@ -29,11 +29,10 @@ from nnxscale.checkpoint import (
     SkippedCheckpointWarning,
     checksums,
 )
-from nnxscale.data import Batches, book_batches, encode
-from nnxscale.devices import requested_devices
-from nnxscale.integrity import LOCK_FILE, DirectoryLockedError
+from nnxscale.checkpoint.integrity import LOCK_FILE, DirectoryLockedError
 from nnxscale.model import TINY, Transformer, create
-from nnxscale.rules import DP, strategy_mesh
+from nnxscale.placement.rules import DP, strategy_mesh
+from nnxscale.runtime.devices import requested_devices
 from nnxscale.train import (
     NonFiniteError,
     Trainer,
@@ -41,6 +40,7 @@ from nnxscale.train import (
     adamw,
     trainer_for,
 )
+from nnxscale.train.data import Batches, book_batches, encode
 
 # After a failed read of damaged files, Orbax leaves reads in flight (coroutines, TensorStore
 # callbacks to an asyncio loop it has closed) that Python reports as unraisable when they are
@@ -436,7 +436,7 @@ import sys
 import jax, jax.numpy as jnp
 import nnxscale as nx
 nx.emulate_devices(1)
-from nnxscale.losses import next_token_loss
+from nnxscale.model.losses import next_token_loss
 failing = {"now": False}
 
 def check(x):

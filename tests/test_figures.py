@@ -10,8 +10,6 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from nnxscale.context import Ring
-from nnxscale.events import Start
 from nnxscale.figures import (
     SUM,
     block_sources,
@@ -31,11 +29,10 @@ from nnxscale.figures import (
     plot_topology,
     shard_blocks,
 )
-from nnxscale.mesh import make_mesh
 from nnxscale.model import TINY
-from nnxscale.moe import route_groups
-from nnxscale.rules import FSDP, TP
-from nnxscale.schedules import (
+from nnxscale.model.context import Ring
+from nnxscale.model.moe import route_groups
+from nnxscale.parallelism.schedules import (
     bubble_formula,
     gpipe,
     interleaved,
@@ -44,6 +41,9 @@ from nnxscale.schedules import (
     zero_bubble,
     zero_bubble_formula,
 )
+from nnxscale.placement.mesh import make_mesh
+from nnxscale.placement.rules import FSDP, TP
+from nnxscale.runtime.events import Start
 
 matplotlib.use("Agg")
 
@@ -264,7 +264,7 @@ def test_the_dispatch_is_drawn_from_the_routing() -> None:
 def test_the_ledger_draws_four_parts_per_setup_from_the_cost_model() -> None:
     from nnxscale import costs
     from nnxscale.figures import plot_ledger
-    from nnxscale.rules import STRATEGIES
+    from nnxscale.placement.rules import STRATEGIES
 
     on = {"data": 8}
     setups = {n: costs.Setup.of(STRATEGIES[n], on, 1, "full") for n in ("DP", "ZeRO-2", "FSDP")}
@@ -281,10 +281,10 @@ def test_the_ledger_draws_four_parts_per_setup_from_the_cost_model() -> None:
 
 def test_an_n_dimensional_layout_is_drawn_as_a_matrix_of_whole_shards(mesh) -> None:
     from nnxscale.figures import matrix_view, plot_layouts
-    from nnxscale.init import abstract
-    from nnxscale.layout import resolve
     from nnxscale.model import TINY, create
-    from nnxscale.rules import TP
+    from nnxscale.placement.init import abstract
+    from nnxscale.placement.layout import resolve
+    from nnxscale.placement.rules import TP
 
     layout = resolve(abstract(lambda: create(TINY)), TP, mesh)
     query = layout.array_at("blocks/0/attention/query")  # (embed, heads, head_dim)
@@ -328,9 +328,9 @@ def test_rule_sets_cut_one_weight_on_their_own_meshes() -> None:
     from flax import nnx
 
     from nnxscale.figures import plot_rule_sets
-    from nnxscale.init import abstract
     from nnxscale.model import TINY, create
-    from nnxscale.rules import FSDP, TP
+    from nnxscale.placement.init import abstract
+    from nnxscale.placement.rules import FSDP, TP
 
     shapes = abstract(lambda: create(TINY))
     fig = plot_rule_sets(shapes, {"FSDP": FSDP, "TP": TP}, "blocks/0/mlp/up")
@@ -374,11 +374,11 @@ def test_a_restore_figure_outlines_the_readers_shard_and_hatches_what_it_reads()
 
 
 def test_init_memory_draws_device_0_alone_against_every_device_s_shards() -> None:
+    from nnxscale.core.memory import CompiledMemory
     from nnxscale.figures import plot_init_memory
-    from nnxscale.init import InitPrograms
-    from nnxscale.memory import CompiledMemory
     from nnxscale.model import Config, create
-    from nnxscale.rules import FSDP
+    from nnxscale.placement.init import InitPrograms
+    from nnxscale.placement.rules import FSDP
 
     small = Config(vocab=16, embed=8, heads=2, head_dim=4, mlp=16, layers=1, max_len=8)
     programs = InitPrograms.compile(lambda: create(small), FSDP)
@@ -397,7 +397,7 @@ def test_init_memory_draws_device_0_alone_against_every_device_s_shards() -> Non
 def test_zero_stages_stack_each_role_s_bytes_per_rule_set() -> None:
     from nnxscale.figures import plot_zero_stages
     from nnxscale.model import Config, create
-    from nnxscale.rules import DP, FSDP, ZERO1, ZERO2
+    from nnxscale.placement.rules import DP, FSDP, ZERO1, ZERO2
     from nnxscale.train import role_bytes
 
     small = Config(vocab=16, embed=8, heads=2, head_dim=4, mlp=16, layers=1, max_len=8)
@@ -427,10 +427,10 @@ def test_tensor_parallel_mlp_is_drawn_from_the_layout() -> None:
     from flax import nnx
 
     from nnxscale.figures import plot_tensor_parallel_mlp
-    from nnxscale.init import abstract
-    from nnxscale.layout import resolve
     from nnxscale.model import TINY, create
-    from nnxscale.rules import TP, strategy_mesh
+    from nnxscale.placement.init import abstract
+    from nnxscale.placement.layout import resolve
+    from nnxscale.placement.rules import TP, strategy_mesh
 
     layout = resolve(nnx.state(abstract(lambda: create(TINY))), TP, strategy_mesh(TP))
     fig = plot_tensor_parallel_mlp(layout, rows=16)

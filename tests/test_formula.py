@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from nnxscale.formula import Formula
+from nnxscale.costs.formula import Formula
 
 SIZES = {"vocab": 32000, "embed": 4096, "data": 8, "seq": 4096, "context": 4}
 

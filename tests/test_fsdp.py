@@ -9,12 +9,12 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from nnxscale import comm, fsdp
-from nnxscale.data import book_batches
-from nnxscale.hlo import collectives
-from nnxscale.memory import CompiledMemory
+from nnxscale.analysis.hlo import collectives
+from nnxscale.core.memory import CompiledMemory
 from nnxscale.model import TINY, create
-from nnxscale.rules import DP, FSDP, strategy_mesh
+from nnxscale.placement.rules import DP, FSDP, strategy_mesh
 from nnxscale.train import Trainer, adamw, loss_and_grads
+from nnxscale.train.data import book_batches
 
 CFG = TINY.replace(scan_layers=True)
 BATCHES = book_batches(batch_size=16)

@@ -10,7 +10,7 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from nnxscale.hlo import (
+from nnxscale.analysis.hlo import (
     arrays_moved,
     branch_work,
     collectives,
@@ -19,7 +19,7 @@ from nnxscale.hlo import (
     result_types,
     shape_bytes,
 )
-from nnxscale.mesh import make_mesh
+from nnxscale.placement.mesh import make_mesh
 
 from conftest import ROOT
 

@@ -11,8 +11,10 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from nnxscale.hlo import largest_array
-from nnxscale.init import (
+from nnxscale.analysis.hlo import largest_array
+from nnxscale.core.memory import CompiledMemory, device_bytes
+from nnxscale.model import TINY, Config, create
+from nnxscale.placement.init import (
     InitPrograms,
     abstract,
     compile_init,
@@ -20,9 +22,7 @@ from nnxscale.init import (
     draws_by_split,
     init_sharded,
 )
-from nnxscale.memory import CompiledMemory, device_bytes
-from nnxscale.model import TINY, Config, create
-from nnxscale.rules import FSDP, RULE_SETS, strategy_mesh
+from nnxscale.placement.rules import FSDP, RULE_SETS, strategy_mesh
 
 # Each sharded init compiles for about 3 s (XLA's CPU backend, one random-normal call site per
 # parameter), so the matrix is: FSDP on 1, 2, 4 and 8 devices; every rule set on 8.

@@ -13,8 +13,8 @@ import pytest
 
 from nnxscale import events
 from nnxscale.cli import PROGRAM
-from nnxscale.events import Hello
-from nnxscale.launch import LaunchError, how_it_ended, launch, run, start
+from nnxscale.runtime.events import Hello
+from nnxscale.runtime.launch import LaunchError, how_it_ended, launch, run, start
 
 WORKER = [*PROGRAM, "collective"]
 SLEEPER = [sys.executable, "-c", "import os, time; print(os.getpid(), flush=True); time.sleep(60)"]
@@ -109,7 +109,7 @@ def test_launching_from_a_process_running_jax_warns_of_nothing() -> None:
     # kernel); the launcher must only spawn. Every warning shown: none may appear.
     launches = (
         "import sys, jax; jax.numpy.ones(2).block_until_ready()\n"
-        "from nnxscale.launch import launch\n"
+        "from nnxscale.runtime.launch import launch\n"
         "print(sorted(launch([sys.executable, '-c', 'print(7)'], 2, 1, echo=None)))"
     )  # sorted: output comes in the order it arrives, and either worker may print first
     done = run([sys.executable, "-W", "always", "-c", launches], timeout=120)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from nnxscale.launch import run
+from nnxscale.runtime.launch import run
 
 from book import ROOT
 

@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from nnxscale.memory import CompiledMemory, residual_arrays, saved_bytes
+from nnxscale.core.memory import CompiledMemory, residual_arrays, saved_bytes
 
 
 def test_saved_bytes_are_the_residuals_of_the_backward_pass():

@@ -6,8 +6,8 @@ import jax
 import pytest
 from jax.sharding import AxisType
 
-from nnxscale.mesh import grid_shape, make_mesh
-from nnxscale.rules import DP, FSDP, FSDP_TP, TP, strategy_mesh
+from nnxscale.placement.mesh import grid_shape, make_mesh
+from nnxscale.placement.rules import DP, FSDP, FSDP_TP, TP, strategy_mesh
 
 
 @pytest.mark.parametrize(

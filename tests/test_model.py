@@ -8,7 +8,6 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from nnxscale.init import abstract
 from nnxscale.model import (
     BENCH,
     LOGICAL_AXES,
@@ -19,6 +18,7 @@ from nnxscale.model import (
     create,
     remat_policy,
 )
+from nnxscale.placement.init import abstract
 
 TOKENS = jnp.arange(2 * 16).reshape(2, 16) % TINY.vocab
 

@@ -13,8 +13,8 @@ from flax import nnx
 
 import nnxscale as nx
 from nnxscale import moe
-from nnxscale.hlo import collectives
-from nnxscale.mesh import make_mesh
+from nnxscale.analysis.hlo import collectives
+from nnxscale.placement.mesh import make_mesh
 
 D, F, E = 16, 32, 8
 

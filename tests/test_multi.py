@@ -9,8 +9,8 @@ import pytest
 
 from nnxscale import cli, events, launch
 from nnxscale.checkpoint import Checkpoints
-from nnxscale.multi import bytes_written, planned
-from nnxscale.rules import FSDP_TP
+from nnxscale.checkpoint.multi import bytes_written, planned
+from nnxscale.placement.rules import FSDP_TP
 
 
 def test_each_process_owns_a_run_of_devices_and_loads_their_rows() -> None:

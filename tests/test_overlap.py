@@ -13,7 +13,7 @@ from jax.sharding import PartitionSpec as P
 
 import nnxscale as nx
 from nnxscale import overlap
-from nnxscale.agree import order_ulps
+from nnxscale.train.agree import order_ulps
 
 WIDTH = 96
 

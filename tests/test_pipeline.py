@@ -9,14 +9,10 @@ import pytest
 from flax import nnx
 
 from nnxscale import pipeline
-from nnxscale.agree import order_ulps
-from nnxscale.data import book_batches
-from nnxscale.hlo import branch_work, collectives
-from nnxscale.layout import resolve
-from nnxscale.memory import CompiledMemory
+from nnxscale.analysis.hlo import branch_work, collectives
+from nnxscale.core.memory import CompiledMemory
 from nnxscale.model import TINY, create, group_layers, layer_rounds
-from nnxscale.rules import DP, strategy_mesh
-from nnxscale.schedules import (
+from nnxscale.parallelism.schedules import (
     ScheduleError,
     bubble_formula,
     gpipe,
@@ -26,7 +22,11 @@ from nnxscale.schedules import (
     zero_bubble,
     zero_bubble_formula,
 )
+from nnxscale.placement.layout import resolve
+from nnxscale.placement.rules import DP, strategy_mesh
 from nnxscale.train import Trainer, adamw, loss_and_grads
+from nnxscale.train.agree import order_ulps
+from nnxscale.train.data import book_batches
 
 CFG = TINY.replace(layers=8, scan_layers=True)
 TOKENS = book_batches(batch_size=16).rows(0)

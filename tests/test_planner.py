@@ -6,7 +6,7 @@ import pytest
 
 from nnxscale import costs, planner
 from nnxscale.model import TINY
-from nnxscale.rules import STRATEGIES
+from nnxscale.placement.rules import STRATEGIES
 
 
 @pytest.fixture(scope="module")

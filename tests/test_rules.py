@@ -9,11 +9,11 @@ import jax.numpy as jnp
 import pytest
 from flax import nnx
 
-from nnxscale.init import abstract
-from nnxscale.layout import largest_divisible_dim, resolve
-from nnxscale.mesh import make_mesh
 from nnxscale.model import TINY, Config, create
-from nnxscale.rules import (
+from nnxscale.placement.init import abstract
+from nnxscale.placement.layout import largest_divisible_dim, resolve
+from nnxscale.placement.mesh import make_mesh
+from nnxscale.placement.rules import (
     CP,
     DP,
     FSDP,
@@ -173,7 +173,7 @@ def test_random_key_state_is_placed_like_any_scalar() -> None:
 def test_zero_stages_keep_their_roles_whole():
     import optax
 
-    from nnxscale.rules import HSDP, ZERO1, ZERO2, role_of
+    from nnxscale.placement.rules import HSDP, ZERO1, ZERO2, role_of
     from nnxscale.train import TrainState
 
     assert role_of("optimizer/opt_state/0/mu/embed") == "optimizer"
@@ -209,7 +209,7 @@ def test_token_axes_are_those_of_the_batch_and_the_sequence() -> None:
 def test_a_weight_is_read_gathered_over_the_token_axes_only() -> None:
     from jax.sharding import AbstractMesh, AxisType
 
-    from nnxscale.layout import weight_axes
+    from nnxscale.placement.layout import weight_axes
 
     mesh = AbstractMesh((4, 2), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
     names = ("embed", "heads", "head_dim")

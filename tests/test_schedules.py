@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from nnxscale.schedules import (
+from nnxscale.parallelism.schedules import (
     BACKWARD,
     CHECK_COLUMNS,
     FORWARD,

@@ -6,8 +6,8 @@ import pytest
 from IPython.core.interactiveshell import InteractiveShell
 from IPython.utils.capture import capture_output
 
-from nnxscale.mesh import grid_shape
-from nnxscale.show import BOOK_BUILD_ENV, Markdown, glue, source, table
+from nnxscale.core.show import BOOK_BUILD_ENV, Markdown, glue, source, table
+from nnxscale.placement.mesh import grid_shape
 
 
 def test_table_aligns_numbers_and_escapes_pipes() -> None:

@@ -10,13 +10,13 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from nnxscale.data import Batches, arithmetic_text, encode
-from nnxscale.hlo import collectives
-from nnxscale.losses import cross_entropy
-from nnxscale.memory import CompiledMemory, device_bytes
-from nnxscale.mesh import AxisTypeError
+from nnxscale.analysis.hlo import collectives
+from nnxscale.core.memory import CompiledMemory, device_bytes
+from nnxscale.core.trees import largest_difference
 from nnxscale.model import TINY, create
-from nnxscale.rules import DP, FSDP, FSDP_TP, TP, strategy_mesh
+from nnxscale.model.losses import cross_entropy
+from nnxscale.placement.mesh import AxisTypeError
+from nnxscale.placement.rules import DP, FSDP, FSDP_TP, TP, strategy_mesh
 from nnxscale.train import (
     Trainer,
     TrainOptions,
@@ -27,7 +27,7 @@ from nnxscale.train import (
     two_at_a_time,
     unreduced_grads,
 )
-from nnxscale.trees import largest_difference
+from nnxscale.train.data import Batches, arithmetic_text, encode
 
 STEPS = 4
 BATCHES = Batches(encode(arithmetic_text(2000)), batch_size=16, length=32)
@@ -192,9 +192,9 @@ def test_one_options_object_reaches_the_step() -> None:
 
 
 def test_role_bytes_split_what_each_zero_stage_splits() -> None:
-    from nnxscale.init import abstract
     from nnxscale.model import Config, count_params
-    from nnxscale.rules import ZERO1, ZERO2
+    from nnxscale.placement.init import abstract
+    from nnxscale.placement.rules import ZERO1, ZERO2
     from nnxscale.train import role_bytes
 
     small = Config(vocab=16, embed=8, heads=2, head_dim=4, mlp=16, layers=1, max_len=8)

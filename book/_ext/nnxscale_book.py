@@ -41,8 +41,8 @@ from sphinx.errors import ExtensionError
 from sphinx.util import logging
 from sphinx.util.docutils import SphinxDirective
 
-from nnxscale.launch import run
-from nnxscale.show import BOOK_BUILD_ENV
+from nnxscale.runtime.launch import run
+from nnxscale.core.show import BOOK_BUILD_ENV
 
 CHAPTERS = "chapters/"
 STATUS_PAGE = "book/status"
@@ -209,7 +209,7 @@ class EnvironmentTable(SphinxDirective):
 
     def run(self) -> list[nodes.Node]:
         from nnxscale import environment
-        from nnxscale.devices import emulate_devices
+        from nnxscale.runtime.devices import emulate_devices
 
         emulate_devices()
         rows = {**environment.versions(), **environment.devices()}

@@ -4,69 +4,36 @@
 the book's Transformer or any NNX module on many devices: meshes, rule sets, sharded
 initialisation, the trainer and its options, checkpoints, and the compiled program's
 collectives, memory and plan. Everything else lives in the modules, spelled with theirs
-(`nx.fsdp`, `nx.pipeline`, `nx.schedules`, `nx.hlo`, `nx.costs`, `nx.show`, ...).
+(`nx.fsdp`, `nx.pipeline`, `nx.schedules`, `nx.hlo`, `nx.costs`, `nx.show`, ...), each
+`nx.<module>` whatever layer (subpackage) holds it: core, runtime, placement, model, analysis,
+train, checkpoint, parallelism, costs, profiling, figures.
 
 Importing starts no JAX backend, so the setup cell can still emulate devices after it.
 """
 
 from __future__ import annotations
 
-from nnxscale import environment
+from nnxscale.runtime import environment
 
 environment.check_versions()  # before anything imports jax or flax
 
-from nnxscale import (
-    activations,
-    agree,
-    calculator,
-    checkpoint,
-    cli,
-    comm,
-    context,
-    costs,
-    data,
-    devices,
-    events,
-    figures,
-    formula,
-    fsdp,
-    hlo,
-    init,
-    integrity,
-    launch,
-    layout,
-    losses,
-    machine,
-    memory,
-    mesh,
-    model,
-    moe,
-    multi,
-    naming,
-    overlap,
-    params,
-    pipeline,
-    planner,
-    profiles,
-    program,
-    rules,
-    schedules,
-    show,
-    train,
-    trees,
-)
-from nnxscale.agree import agreement
-from nnxscale.checkpoint import Checkpoints
-from nnxscale.data import Batches, book_batches
-from nnxscale.devices import emulate_devices
-from nnxscale.hlo import collectives
-from nnxscale.init import abstract, init_sharded, shard
-from nnxscale.layout import resolve
-from nnxscale.memory import CompiledMemory
-from nnxscale.mesh import make_mesh
-from nnxscale.model import TINY, Config, Transformer, create
-from nnxscale.planner import plan
-from nnxscale.rules import (
+from nnxscale import checkpoint, cli, costs, figures, model, train
+from nnxscale.analysis import comm, hlo, program
+from nnxscale.analysis.hlo import collectives
+from nnxscale.checkpoint import integrity, multi
+from nnxscale.checkpoint.store import Checkpoints
+from nnxscale.core import memory, show, trees
+from nnxscale.core.memory import CompiledMemory
+from nnxscale.costs import activations, calculator, formula, planner
+from nnxscale.costs.planner import plan
+from nnxscale.model import context, losses, moe, params
+from nnxscale.model.transformer import TINY, Config, Transformer, create
+from nnxscale.parallelism import fsdp, pipeline, schedules
+from nnxscale.placement import init, layout, mesh, naming, rounds, rules
+from nnxscale.placement.init import abstract, init_sharded, shard
+from nnxscale.placement.layout import resolve
+from nnxscale.placement.mesh import make_mesh
+from nnxscale.placement.rules import (
     CP,
     DP,
     EP,
@@ -87,7 +54,13 @@ from nnxscale.rules import (
     mesh_axis_rules,
     strategy_mesh,
 )
-from nnxscale.train import Trainer, TrainOptions, adamw, trainer_for
+from nnxscale.profiling import machine, overlap, profiles
+from nnxscale.runtime import devices, events, launch
+from nnxscale.runtime.devices import emulate_devices
+from nnxscale.train import agree, data
+from nnxscale.train.agree import agreement
+from nnxscale.train.data import Batches, book_batches
+from nnxscale.train.trainer import Trainer, TrainOptions, adamw, trainer_for
 
 __version__ = "0.1.0"
 
@@ -138,6 +111,6 @@ MODULES = (
     activations, agree, calculator, checkpoint, cli, comm, context, costs, data, devices,
     environment, events, figures, formula, fsdp, hlo, init, integrity, launch, layout, losses,
     machine, memory, mesh, model, moe, multi, naming, overlap, params, pipeline, planner, profiles,
-    program, rules, schedules, show, train, trees,
+    program, rounds, rules, schedules, show, train, trees,
 )  # fmt: skip
 """The modules, each reached as `nx.<module>`: the rest of the library, spelled with its home."""

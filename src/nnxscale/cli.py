@@ -35,15 +35,15 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from nnxscale import events, launch
-from nnxscale.checkpoint import PARTIAL, Checkpoints, checksums
-from nnxscale.data import book_batches
-from nnxscale.devices import emulate_devices
-from nnxscale.launch import COORDINATOR, initialize
-from nnxscale.mesh import make_mesh
-from nnxscale.model import TINY, Transformer, create
-from nnxscale.rules import RULE_SETS, strategy_mesh
-from nnxscale.train import Trainer, TrainOptions, adamw
+from nnxscale.checkpoint.store import PARTIAL, Checkpoints, checksums
+from nnxscale.model.transformer import TINY, Transformer, create
+from nnxscale.placement.mesh import make_mesh
+from nnxscale.placement.rules import RULE_SETS, strategy_mesh
+from nnxscale.runtime import events, launch
+from nnxscale.runtime.devices import emulate_devices
+from nnxscale.runtime.launch import COORDINATOR, initialize
+from nnxscale.train.data import book_batches
+from nnxscale.train.trainer import Trainer, TrainOptions, adamw
 
 PROGRAM = (sys.executable, "-m", "nnxscale")
 """The command line that starts the library's programs (`nnxscale.__main__`)."""
@@ -265,7 +265,7 @@ def start_crash_during_save(
     the state off the devices and its background thread has made the save's unfinished
     directory: the kill lands while the files are written, without waiting for another
     process to react. The step compiles with `compiler_options` (such as
-    `nnxscale.train.FAST_COMPILE`), which the run's checkpoints record, so a run restored
+    `nnxscale.devices.FAST_COMPILE`), which the run's checkpoints record, so a run restored
     from them computes the same bits. `timeout` counts from the call to `result()`.
     """
     command = [

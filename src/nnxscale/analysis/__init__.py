@@ -1,0 +1,1 @@
+"""Reading compiled programs: their HLO, collectives and ring formulas."""

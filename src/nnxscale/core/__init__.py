@@ -1,0 +1,1 @@
+"""The core: pytree helpers, Markdown display and memory measured on devices; no sharding."""

@@ -1,0 +1,304 @@
+"""What a training step keeps for its backward pass, calibrated against JAX's autodiff.
+
+The book's Transformer is traced once, abstractly, with every size a different prime (2
+sequences of 3 tokens, 5 heads of 7, width 11, MLP 13, vocabulary 17, 19 layers). Each array
+autodiff keeps (`nnxscale.memory.residual_arrays`) then factors into those primes, which
+names its shape: an array of 2 x 5 x 3 x 3 float32 values is `4 * batch * heads * seq^2`
+bytes, the attention probabilities. The sum over arrays is a `Formula` that holds for any
+size of the model, for the compute dtype and remat policy traced: the activation term of the
+memory ledger is what the code asks to keep, not a formula written beside it.
+
+Context parallelism runs attention as a ring inside `jax.shard_map`, whose kept arrays depend
+on the ring's size: its model is traced on an abstract mesh (no devices) with rings of 2 and 3
+devices, each sequence cut into chunks of 2 x 23 tokens per device, and the formula is what
+the two traces have in common plus what each hop adds.
+
+A mixture of experts is traced with 37 experts whose capacity per group is itself a prime
+(the capacity factor is chosen to make it one), so that `experts` and `capacity` name their
+dimensions too. Its routing places the k choices of each token in a scan, so what it keeps
+per choice is stacked along a dimension of k, and a trace at k = 23 names it `top_k`. A
+mixture with one choice is traced at k = 1 (its gates are not renormalised).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections import Counter
+from collections.abc import Mapping
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import AbstractMesh, AxisType
+
+from nnxscale.core.memory import residual_arrays
+from nnxscale.costs.formula import Formula
+from nnxscale.model.losses import next_token_loss
+from nnxscale.model.transformer import Config, create, remat_policy
+from nnxscale.placement.layout import activation_rules
+from nnxscale.placement.rules import CONTEXT, CP
+
+PRIMES = {
+    "batch": 2,
+    "seq": 3,
+    "heads": 5,
+    "head_dim": 7,
+    "embed": 11,
+    "mlp": 13,
+    "vocab": 17,
+    "layers": 19,
+}
+"""The size each dimension takes in the traced model: distinct primes, so that every array's
+shape factors into the dimensions it is made of."""
+
+RING_PRIMES = {
+    "batch": 29,
+    "heads": 5,
+    "head_dim": 31,
+    "embed": 11,
+    "mlp": 13,
+    "vocab": 17,
+    "layers": 19,
+}
+"""The sizes of the traced context-parallel model: `seq` is 2 x context x 23 there (two chunks
+of 23 tokens per device, the zig-zag layout), so no size may be 2, 3 or 23."""
+
+HALF_CHUNK = 23
+RINGS = (2, 3)
+"""The ring sizes the context-parallel model is traced with."""
+
+EXPERTS = 37
+"""The experts of the traced mixture."""
+
+TOP_K = 23
+CAPACITY = 41
+"""The choices per token (when more than one) and the slots per expert and group of the
+traced mixture: primes that no other size is."""
+
+LOGICAL = {"batch": "batch", "seq": "length", "layers": "layers"}
+"""The logical axis name of each traced dimension, where it differs from the size's name."""
+
+
+def factor(size: int, units: Mapping[str, int] = PRIMES) -> Counter[str]:
+    """The dimensions an array's dimension of `size` is made of: `units` divided out, the
+    largest first."""
+    found: Counter[str] = Counter()
+    left = size
+    for name, unit in sorted(units.items(), key=lambda kv: -kv[1]):
+        while left > 1 and left % unit == 0:
+            found[name] += 1
+            left //= unit
+    if left != 1:
+        raise ValueError(
+            f"a kept array has a dimension of {size}, which is not a product of the traced "
+            f"sizes {dict(units)}: the model computes a size the calibration cannot name"
+        )
+    return found
+
+
+@dataclasses.dataclass(frozen=True)
+class Kept:
+    """Bytes a step keeps for its backward pass, as formulas in the model's sizes (whole
+    arrays: `nnxscale.costs` divides them among devices). `layer` is what each layer keeps
+    (its terms in `batch` grow with the tokens; a few, such as its norms' scales, do not) and
+    `model` what the embeddings, the final norm, the head and the loss keep. `weights` are
+    the compute-dtype copies of one layer's matrices that its backward pass reads, and
+    `head_weights` the output head's: in float32 they are the parameters themselves unless
+    a strategy gathers them. `rebuilt` is what one rematerialised layer holds again while its
+    backward pass runs, besides its weight copies (zero without remat). `local` holds the
+    ring's blocks, kept inside `jax.shard_map` (zero without a ring): already per device
+    along the sequence, in `chunk`, the tokens of a sequence each device holds."""
+
+    layer: Formula
+    model: Formula
+    weights: Formula
+    head_weights: Formula
+    rebuilt: Formula
+    local: Formula = dataclasses.field(default_factory=Formula)
+
+    def json(self) -> dict[str, list[list[object]]]:
+        """Every formula as JSON (what the calculator reads)."""
+        return {f.name: getattr(self, f.name).json() for f in dataclasses.fields(self)}
+
+
+Traced = dict[tuple[int, bool, bool], Formula]
+"""Formulas of kept arrays by (power of `layers`, has a `batch` dimension, kept per device)."""
+
+
+def mixture(cfg: Config) -> int:
+    """How the model's MLP is traced: 0 dense, 1 a mixture whose tokens choose one expert,
+    2 a mixture whose tokens choose several (`kept`'s `moe`)."""
+    return min(cfg.top_k, 2) if cfg.experts else 0
+
+
+def _traced(
+    cfg: Config,
+    dropout: bool,
+    batch: int,
+    seq: int,
+    ring: int = 0,
+    units: Mapping[str, int] = PRIMES,
+) -> Traced:
+    """The arrays autodiff keeps for the loss of `batch` sequences of `seq` tokens, as
+    formulas in the sizes of `units`; with `ring` > 0, traced under context parallelism over
+    a ring of that size."""
+    model = nnx.eval_shape(lambda: create(cfg))
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    tokens = jax.ShapeDtypeStruct((batch, seq + 1), jnp.int32)
+    key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype) if dropout else None
+
+    def loss(p: nnx.State, t: jax.Array, k: jax.Array | None) -> jax.Array:
+        rngs = None if k is None else nnx.Rngs(dropout=k)
+        return next_token_loss(nnx.merge(graphdef, p, rest), t, rngs)
+
+    if ring:
+        units = {**RING_PRIMES, "seq": seq, "chunk": seq // ring, CONTEXT: ring}
+        mesh = AbstractMesh((1, ring), CP.axes, axis_types=(AxisType.Auto,) * 2)
+        with activation_rules(CP, mesh):
+            arrays = residual_arrays(loss, params, tokens, key)
+    else:
+        arrays = residual_arrays(loss, params, tokens, key)
+    found: Traced = {}
+    for array in arrays:
+        names: Counter[str] = Counter()
+        for size in array.shape:
+            names.update(factor(size, units))
+        layers = names.pop("layers", 0)
+        stacked = names.pop(CONTEXT, 0)  # one block per ring device: what one device keeps
+        if layers > 1 or stacked > 1:
+            raise ValueError(f"a kept array of shape {array.shape} repeats a dimension")
+        slot = (layers, "batch" in names, bool(stacked))
+        found[slot] = found.get(slot, Formula()) + Formula.product(
+            names.elements(), array.dtype.itemsize
+        )
+    return found
+
+
+def _config(policy: str | None, dropout: bool, sizes: Mapping[str, int], max_len: int) -> Config:
+    fixed = {k: v for k, v in sizes.items() if k not in ("batch", "seq")}
+    return Config(
+        **fixed,
+        max_len=max_len,
+        scan_layers=True,
+        remat=policy or False,
+        dropout=0.1 if dropout else 0.0,
+    )
+
+
+def _linear(small: Formula, large: Formula, at: tuple[int, int], name: str) -> Formula:
+    """The formula a + `name` x b that is `small` and `large` where `name` is `at`."""
+    each = (large - small) / (at[1] - at[0])
+    return small - each * at[0] + each * name
+
+
+def _moe_traced(cfg: Config, dropout: bool, top_k: int, slots: int) -> Traced:
+    """`_traced` for a mixture of `EXPERTS` experts of which each token chooses `top_k`,
+    with a capacity factor that gives each expert `slots` slots per group."""
+    seq = PRIMES["seq"]
+    factor = (slots - 0.5) * EXPERTS / (top_k * seq)
+    mixed = cfg.replace(experts=EXPERTS, top_k=top_k, capacity_factor=factor)
+    units = {**PRIMES, "experts": EXPERTS, "capacity": slots}
+    if top_k > 1:
+        units["top_k"] = top_k
+    return _traced(mixed, dropout, PRIMES["batch"], seq, units=units)
+
+
+@functools.cache
+def _trace(cfg: Config, dropout: bool, moe: int) -> Traced:
+    """What autodiff keeps for `cfg` at the primes, dense (`moe` 0) or as a mixture whose
+    tokens choose one expert (1) or `top_k` (2); once per process, since every compute dtype's
+    `kept` reads both the float32 and the bfloat16 trace (read it, do not change it)."""
+    if not moe:
+        return _traced(cfg, dropout, PRIMES["batch"], PRIMES["seq"])
+    return _moe_traced(cfg, dropout, 1 if moe == 1 else TOP_K, CAPACITY)
+
+
+def _pick(found: Traced, layers: int, local: bool = False, batch: bool | None = None) -> Formula:
+    """The formulas of `found` with that power of `layers`, kept per device or not, with or
+    without a `batch` dimension (either, if None)."""
+    return sum(
+        (
+            f
+            for (n, b, here), f in found.items()
+            if n == layers and here == local and batch in (None, b)
+        ),
+        Formula(),
+    )
+
+
+@functools.cache
+def kept(
+    compute_dtype: str = "float32",
+    remat: bool | str = False,
+    dropout: bool = False,
+    ring: bool = False,
+    moe: int = 0,
+) -> Kept:
+    """The activations the book's Transformer keeps, traced in `compute_dtype` with the remat
+    policy `remat` (`nnxscale.model.REMAT_POLICIES`), with or without dropout, with or
+    without a context-parallel ring, and with a dense MLP or a mixture of experts (`moe`, as
+    `mixture` gives it). The weight copies are what a bfloat16 trace keeps beyond a float32
+    one (where the weights are the parameters), at the compute dtype's width."""
+    policy = remat_policy(remat)
+    if ring and moe:
+        raise ValueError(
+            "the activations of a mixture of experts under context parallelism are not "
+            "calibrated: trace one or the other"
+        )
+    if ring:
+        return _ring_kept(compute_dtype, policy, dropout)
+    cfg = _config(policy, dropout, PRIMES, PRIMES["seq"])
+    traces = {
+        dtype: _trace(cfg.replace(compute_dtype=dtype), dropout, moe)
+        for dtype in {"float32", "bfloat16", compute_dtype}
+    }
+    found = traces[compute_dtype]
+
+    def copies(layers: int) -> Formula:  # only weights have no batch dimension and differ
+        cast = _pick(traces["bfloat16"], layers, batch=False) - _pick(
+            traces["float32"], layers, batch=False
+        )
+        return cast * (jnp.dtype(compute_dtype).itemsize / 2)
+
+    layer, model = _pick(found, 1), _pick(found, 0)
+    if compute_dtype != "float32":
+        layer, model = layer - copies(1), model - copies(0)
+    rebuilt = Formula()
+    if policy is not None:
+        rebuilt = kept(compute_dtype, False, dropout, moe=moe).layer - layer
+    return Kept(layer, model, copies(1), copies(0), rebuilt)
+
+
+@functools.cache
+def _ring(compute_dtype: str, policy: str | None, dropout: bool) -> tuple[Formula, ...]:
+    """Under context parallelism, the formulas of what a layer and the rest of the model keep
+    (whole arrays) and what a layer's and the model's ring blocks keep (per device, in
+    `chunk`): each trace's formula is a + ring x b (what every ring keeps, and what each hop
+    adds), solved from rings of `RINGS` devices."""
+    traces = []
+    for ring in RINGS:
+        seq = 2 * ring * HALF_CHUNK
+        cfg = _config(policy, dropout, RING_PRIMES, seq).replace(compute_dtype=compute_dtype)
+        traces.append(_traced(cfg, dropout, RING_PRIMES["batch"], seq, ring))
+
+    def solve(layers: int, local: bool) -> Formula:
+        small, large = (_pick(t, layers, local) for t in traces)
+        whole = _linear(small, large, RINGS, CONTEXT)
+        return whole if local else whole.replace("chunk", {"seq": 1, CONTEXT: -1})
+
+    return solve(1, False), solve(0, False), solve(1, True), solve(0, True)
+
+
+def _ring_kept(compute_dtype: str, policy: str | None, dropout: bool) -> Kept:
+    """`kept` under context parallelism (`_ring`)."""
+    dense = kept(compute_dtype, policy or False, dropout)
+    layer, model, local_layer, local_model = _ring(compute_dtype, policy, dropout)
+    if compute_dtype != "float32":
+        layer, model = layer - dense.weights, model - dense.head_weights
+    rebuilt = Formula()
+    if policy is not None:
+        whole = _ring_kept(compute_dtype, None, dropout)
+        rebuilt = whole.layer - layer + _ring(compute_dtype, None, dropout)[2] - local_layer
+    local = local_layer * "layers" + local_model
+    return Kept(layer, model, dense.weights, dense.head_weights, rebuilt, local)

@@ -1,0 +1,357 @@
+"""The planner: every way the library can run a model on a cluster, priced and ranked.
+
+For each rule set the model can use, the planner enumerates every factorisation of the
+device count into the rule set's mesh axes (tensor parallelism no wider than a fast domain,
+such as one host), every number of micro-batches the batch allows (gradient accumulation, or
+a pipeline's), and every remat policy; it keeps those whose predicted peak memory, times the
+headroom chapter 12 measured, fits the device, and ranks them by predicted step time. It
+says why each rule set that has no such option was rejected. A mixture of experts adds the
+expert-parallel rule sets.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Iterable, Iterator
+
+from nnxscale.core.show import Markdown, table
+from nnxscale.costs.model import (
+    Hardware,
+    Setup,
+    StepCost,
+    derive,
+    hardware,
+    mixture_problem,
+    step_cost,
+    unpriced,
+    unsuitable,
+)
+from nnxscale.model.transformer import Config
+from nnxscale.placement.rules import STRATEGIES, Rules
+
+TOLERANCE = (0.7, 1.3)
+"""How far a compiled step's peak memory may lie from the ledger's prediction (compiled /
+predicted), over every strategy chapter 12 and the tests compile: below where XLA fuses
+elementwise chains and keeps fewer values than autodiff asks for, above where a scanned
+loop materialises its stacked activations and working set."""
+
+HEADROOM = TOLERANCE[1]
+"""The planner asks that the predicted peak times this fit the device's memory: a plan that
+fits keeps fitting if the compiler holds as much beyond the ledger as it did here."""
+
+PLANNED = (
+    "DP",
+    "ZeRO-2",
+    "FSDP",
+    "HSDP",
+    "TP",
+    "FSDP+TP",
+    "PP",
+    "PP+FSDP",
+    "CP",
+    "FSDP+CP",
+)
+"""The rule sets the planner considers for a dense model (their names in `STRATEGIES`). Not
+ZeRO-1: XLA's partitioner splits a gradient that only the split update reads, so ZeRO-1
+compiles to ZeRO-2's program (chapter 12 asserts it)."""
+
+EXPERT_PLANNED = ("EP", "FSDP+EP")
+"""The rule sets the planner adds for a mixture of experts."""
+
+
+def planned(cfg: Config) -> tuple[str, ...]:
+    """The rule sets the planner considers for `cfg`: `PLANNED`, and for a mixture of experts
+    those of them the cost model prices for one (no tensor, context or pipeline axes: a plan
+    that names such a rule set says so) and `EXPERT_PLANNED`."""
+    if not cfg.experts:
+        return PLANNED
+    return tuple(n for n in PLANNED if not unpriced(STRATEGIES[n], 1)) + EXPERT_PLANNED
+
+
+REMATS: tuple[bool | str, ...] = (False, "dots", "full")
+"""Remat policies, from the fastest to the leanest."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Option:
+    """One priced way to run the step, and why it does not fit if it does not."""
+
+    setup: Setup
+    cost: StepCost | None
+    """None when the setup cannot run this model and batch at all (`reason` says why)."""
+    reason: str = ""
+
+    @property
+    def fits(self) -> bool:
+        """Whether its predicted peak, with the headroom, fits the device."""
+        return not self.reason
+
+    @property
+    def strategy(self) -> str:
+        """The rule set's name."""
+        return self.setup.rules.name
+
+
+def factorisations(devices: int, axes: int) -> Iterator[tuple[int, ...]]:
+    """Every way to write `devices` as an ordered product of `axes` positive integers."""
+    if axes == 1:
+        yield (devices,)
+        return
+    for first in range(1, devices + 1):
+        if devices % first == 0:
+            for rest in factorisations(devices // first, axes - 1):
+                yield (first, *rest)
+
+
+def meshes(rules: Rules, devices: int, domain: int) -> Iterator[dict[str, int]]:
+    """The meshes the planner tries for `rules`: the device count factorised into its axes,
+    the axes it never uses of size 1, and an axis of tensor parallelism no wider than
+    `domain` (the devices one fast link joins, such as a host's). The axes that make the rule
+    set what it is are wider than one device, else it is another rule set: those it gives a
+    size of their own (TP's `model`, HSDP's `replica`), and the one that takes the remaining
+    devices unless it only splits the batch (CP's `context`, PP's `stage`)."""
+    used = rules.mesh_axes()
+    tensor = {
+        a
+        for name in ("heads", "mlp", "vocab")
+        for c in rules.logical.get(name, ())
+        for a in ((c,) if isinstance(c, str) else c)
+    }
+    tensor -= set(rules.token_axes(rules.axes))
+    batch = {a for c in rules.logical.get("batch", ()) for a in ((c,) if isinstance(c, str) else c)}
+    defining = {
+        a
+        for a, size in zip(rules.axes, rules.sizes, strict=True)
+        if size > 1 or (size == -1 and a not in batch)
+    }
+    for shape in factorisations(devices, len(rules.axes)):
+        mesh = dict(zip(rules.axes, shape, strict=True))
+        if any(mesh[a] > 1 for a in rules.axes if a not in used):
+            continue
+        if any(mesh[a] > domain for a in tensor) or any(mesh[a] == 1 for a in defining & used):
+            continue
+        yield mesh
+
+
+def micro_batches(
+    setup_rules: Rules, mesh: dict[str, int], batch: int, stage: str | None
+) -> list[int]:
+    """Micro-batch counts the batch allows: each device's share cut evenly (a pipeline's:
+    at least one per stage, for 1F1B)."""
+    split = math.prod(mesh[a] for a in setup_rules.token_axes(setup_rules.axes) if a != "context")
+    if batch % split:
+        return [1]
+    rows = batch // split
+    counts = [m for m in (2**i for i in range(rows.bit_length())) if rows % m == 0]
+    if stage is not None:
+        counts = [m for m in counts if m >= mesh[stage]] or [mesh[stage]]
+    return counts
+
+
+class Plan:
+    """Every option the planner priced for one model, cluster and batch: for each rule set
+    its fastest option that fits (`ranked`, fastest first) or why none does (`rejected`)."""
+
+    def __init__(
+        self,
+        cfg: Config,
+        devices: int,
+        hw: Hardware,
+        batch: int,
+        seq: int,
+        memory: float,
+        options: list[Option],
+    ) -> None:
+        self.cfg, self.devices, self.hardware = cfg, devices, hw
+        self.batch, self.seq, self.memory = batch, seq, memory
+        self.options = options
+        best: dict[str, Option] = {}
+        leanest: dict[str, Option] = {}
+        first: dict[str, Option] = {}
+        seen: dict[tuple[float, ...], str] = {}
+        for option in options:
+            name = option.strategy
+            if option.cost is not None:  # a rule set with an axis of one device can be another
+                key = _signature(option.cost)
+                if seen.setdefault(key, name) != name:
+                    continue
+            first.setdefault(name, option)
+            if option.fits and (name not in best or _rank(option) < _rank(best[name])):
+                best[name] = option
+            if option.cost and (name not in leanest or option.cost.peak < leanest[name].cost.peak):
+                leanest[name] = option
+        self.ranked = sorted(best.values(), key=_rank)
+        self.rejected = {
+            name: _why(leanest.get(name, option), memory)
+            for name, option in first.items()
+            if name not in best
+        }
+
+    @property
+    def best(self) -> Option:
+        """The fastest option that fits; an error naming every rule set's reason if none does."""
+        if not self.ranked:
+            reasons = "; ".join(f"{name}: {why}" for name, why in self.rejected.items())
+            raise ValueError(
+                f"no plan fits {self.devices} x {self.hardware.name} ({self.memory / 1e9:.0f} GB "
+                f"each) for {self.batch} sequences of {self.seq} tokens: {reasons}. Use more "
+                "devices, devices with more memory, a smaller batch or shorter sequences."
+            )
+        return self.ranked[0]
+
+    def __getitem__(self, strategy: str) -> Option:
+        """The fastest fitting option of a rule set, or its leanest if none fits."""
+        fitting = [o for o in self.ranked if o.strategy == strategy]
+        if fitting:
+            return fitting[0]
+        mine = [o for o in self.options if o.strategy == strategy]
+        if not mine:
+            raise KeyError(f"the plan has no option of rule set {strategy!r}")
+        priced = [o for o in mine if o.cost is not None]
+        return min(priced, key=lambda o: o.cost.peak) if priced else mine[0]
+
+    def _repr_markdown_(self) -> str:
+        rows = []
+        for rank, option in enumerate(self.ranked, start=1):
+            rows.append([rank, *_columns(option), "fits"])
+        for name, why in self.rejected.items():
+            rows.append(["-", name, "-", "-", "-", "-", "-", "-", why])
+        headers = [
+            "rank",
+            "strategy",
+            "mesh",
+            "micro-batches",
+            "remat",
+            "peak GB",
+            "GB sent",
+            "step (s)",
+            "verdict",
+        ]
+        title = (
+            f"{self.devices} x {self.hardware.name}, {self.memory / 1e9:.0f} GB each (a plan "
+            f"fits if its peak x {HEADROOM} does); {self.batch} sequences of {self.seq} tokens; "
+            f"{len(self.options)} options priced"
+        )
+        return str(table(headers, rows, title))
+
+    def summary(self) -> Markdown:
+        """The plan as a Markdown table."""
+        return Markdown(self._repr_markdown_())
+
+
+def _columns(option: Option) -> list[object]:
+    c = option.cost
+    mesh = " x ".join(f"{a} {s}" for a, s in option.setup.mesh if s > 1) or "one device"
+    remat = (
+        option.setup.remat
+        if isinstance(option.setup.remat, str)
+        else ("full" if option.setup.remat else "no")
+    )
+    return [
+        option.strategy,
+        mesh,
+        option.setup.micro_batches,
+        remat,
+        f"{c.peak / 1e9:.1f}",
+        f"{c.sent / 1e9:.1f}",
+        f"{c.step_time:.3f} ({c.bound})",
+    ]
+
+
+def _signature(cost: StepCost) -> tuple[float, ...]:
+    """What tells plans apart: equal in all of it, two setups are the same plan."""
+    return (*(round(v) for v in cost.memory.values()), round(cost.sent), round(cost.step_time, 12))
+
+
+def _rank(option: Option) -> tuple[float, float, float]:
+    c = option.cost
+    return (round(c.step_time, 9), c.sent, c.peak)
+
+
+def _why(leanest: Option, memory: float) -> str:
+    if leanest.cost is None:
+        return leanest.reason
+    c, s = leanest.cost, leanest.setup
+    return (
+        f"needs {c.peak / 1e9:.1f} GB per device at its leanest ({s.describe()}), "
+        f"{c.peak * HEADROOM / 1e9:.1f} GB with the headroom, of {memory / 1e9:.0f} GB"
+    )
+
+
+def candidates(
+    cfg: Config, rules: Rules, devices: int, hw: Hardware, batch: int, seq: int
+) -> Iterator[tuple[Setup, str]]:
+    """Every setup of `rules` the planner tries, and why it cannot run if it cannot."""
+    stage = derive(rules, cfg.compute_dtype).stage_axis
+    remats = (False,) if stage is not None else REMATS
+    for mesh in meshes(rules, devices, hw.domain):
+        for m in micro_batches(rules, mesh, batch, stage):
+            for remat in remats:
+                setup = Setup.of(rules, mesh, m, remat)
+                yield setup, unsuitable(cfg, setup, batch, seq)
+
+
+def plan(
+    cfg: Config,
+    devices: int,
+    hw: Hardware | str,
+    *,
+    global_batch: int,
+    seq: int | None = None,
+    memory_per_device: float | None = None,
+    strategies: Iterable[str] | None = None,
+    efficiency: float | None = None,
+) -> Plan:
+    """Every option for training `cfg` on `devices` devices of `hw` with batches of
+    `global_batch` sequences of `seq` tokens (default `cfg.max_len`), priced and ranked;
+    `memory_per_device` defaults to the device's, `strategies` to `planned(cfg)`."""
+    hw = hardware(hw)
+    strategies = planned(cfg) if strategies is None else tuple(strategies)
+    seq = cfg.max_len if seq is None else seq
+    memory = hw.memory if memory_per_device is None else memory_per_device
+    _check(cfg, devices, global_batch, seq, memory)
+    extra = {} if efficiency is None else {"efficiency": efficiency}
+    options = []
+    found = False
+    for name in strategies:
+        if name not in STRATEGIES:
+            raise ValueError(
+                f"no rule set named {name!r}; use names of nnxscale.STRATEGIES: "
+                f"{', '.join(STRATEGIES)}"
+            )
+        for setup, reason in candidates(cfg, STRATEGIES[name], devices, hw, global_batch, seq):
+            found = True
+            if reason:
+                options.append(Option(setup, None, reason))
+                continue
+            cost = step_cost(cfg, setup, hw, global_batch, seq, **extra)
+            fits = cost.peak * HEADROOM <= memory
+            options.append(Option(setup, cost, "" if fits else "needs more memory"))
+    if not found:
+        raise ValueError(
+            f"none of the rule sets {list(strategies)} has a mesh of {devices} devices to try"
+        )
+    return Plan(cfg, devices, hw, global_batch, seq, memory, options)
+
+
+def _check(cfg: Config, devices: int, batch: int, seq: int, memory: float) -> None:
+    """Refuse input the planner cannot price, naming the problem and the fix."""
+    for name in ("vocab", "embed", "heads", "head_dim", "mlp", "layers", "max_len"):
+        value = getattr(cfg, name)
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(
+                f"the model's {name} is {value!r}: every size must be a positive integer"
+            )
+    for name, value in (("devices", devices), ("global_batch", batch), ("seq", seq)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    problem = mixture_problem(cfg)
+    if problem:
+        raise ValueError(problem)
+    if seq > cfg.max_len:
+        raise ValueError(
+            f"seq={seq} exceeds the model's max_len ({cfg.max_len}): raise max_len or shorten seq"
+        )
+    if not memory > 0:
+        raise ValueError(f"memory_per_device must be positive bytes, got {memory!r}")

@@ -1,0 +1,1 @@
+"""Placement: meshes, rule sets, the layout they resolve to, sharded initialisation."""

@@ -1,0 +1,558 @@
+"""Resolving a rule set against a model and a mesh: a spec, shard shape and byte count per array."""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import math
+import warnings
+from typing import Any
+
+import jax
+import numpy as np
+from flax import nnx
+from flax.core.spmd import composite_rules, get_logical_axis_rules
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from nnxscale.core.show import table
+from nnxscale.core.trees import flat
+from nnxscale.placement.mesh import axis_kind, constrain_to
+from nnxscale.placement.rules import RuleError, Rules, role_of
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    """Where one array goes: its logical names, mesh spec, per-device shape and bytes, and why."""
+
+    path: str
+    shape: tuple[int, ...]
+    dtype: str
+    logical: tuple[str | None, ...] | None
+    spec: PartitionSpec
+    shard_shape: tuple[int, ...]
+    bytes_per_device: int
+    total_bytes: int
+    reason: str
+    fallback: bool = False
+    """Whether the array is split less than the rules intend: a dimension they asked to split
+    could not be (no candidate divides it), or it has no names in a rule set that splits
+    other arrays."""
+
+    @property
+    def pieces(self) -> int:
+        """Into how many different blocks the array is cut (1: every device holds it whole)."""
+        return math.prod(self.shape) // math.prod(self.shard_shape)
+
+
+def largest_divisible_dim(shape: tuple[int, ...], size: int) -> int | None:
+    """The largest dimension that `size` divides (the first of equals), or None."""
+    fits = [d for d in range(len(shape)) if shape[d] % size == 0 and shape[d] >= size]
+    return max(fits, key=lambda d: (shape[d], -d)) if fits else None
+
+
+def _axes_size(mesh: Mesh, axes: tuple[str, ...]) -> int:
+    return math.prod(mesh.shape[a] for a in axes)
+
+
+def _spec_entry(axes: tuple[str, ...] | None) -> str | tuple[str, ...] | None:
+    if not axes:
+        return None
+    return axes[0] if len(axes) == 1 else axes
+
+
+def _place_logical(
+    path: str,
+    shape: tuple[int, ...],
+    logical: tuple[str | None, ...],
+    rules: Rules,
+    mesh: Mesh,
+    flax: dict[str, object] | None = None,
+) -> tuple[list[tuple[str, ...] | None], list[str], bool]:
+    if len(logical) != len(shape):
+        raise RuleError(
+            f"{path}: {len(logical)} logical names {logical} for an array of shape {shape}; "
+            "give one name (or None) per dimension."
+        )
+    chosen: list[tuple[str, ...] | None] = []
+    notes: list[str] = []
+    used: set[str] = set()
+    short = False  # a dimension the rules asked to split stayed whole
+    for size, name in zip(shape, logical, strict=True):
+        if name is None:
+            chosen.append(None)
+            continue
+        pick, skipped = None, []
+        for axes in rules.candidates(name, path, flax):
+            if not set(axes) <= set(mesh.axis_names):
+                whose = "Flax's logical rules (nnx.logical_axis_rules or the variable's "
+                whose += "sharding_rules)" if flax and name in flax else f"rule set {rules.name!r}"
+                raise RuleError(
+                    f"{path}: {whose} map {name!r} to mesh axes {axes}, and the mesh "
+                    f"{dict(mesh.shape)} lacks {sorted(set(axes) - set(mesh.axis_names))}: "
+                    "change the rule or add the axis to the mesh."
+                )
+            if used & set(axes):
+                skipped.append(f"{'+'.join(axes)} already splits another dimension")
+            elif size % _axes_size(mesh, axes):
+                skipped.append(f"{'+'.join(axes)} ({_axes_size(mesh, axes)}) does not divide it")
+            else:
+                pick = axes
+                break
+        if pick is None and skipped and rules.strict:
+            raise RuleError(
+                f"{path}: dimension {name}={size} cannot be split ({'; '.join(skipped)}) and "
+                f"rule set {rules.name!r} is strict. Make {name} a multiple of the axis size, "
+                f"add a fallback for {name!r}, or use strict=False to replicate it."
+            )
+        short |= bool(skipped) and pick is None
+        if skipped:
+            outcome = f"{'+'.join(pick)}" if pick else "replicated"
+            notes.append(f"{name}={size}: {'; '.join(skipped)}, so {outcome}")
+        elif pick and size > 1 and _axes_size(mesh, pick) == 1:
+            notes.append(f"{name}={size}: {'+'.join(pick)} has one device, so not split")
+        used |= set(pick or ())
+        chosen.append(pick)
+    return chosen, notes, short
+
+
+def _place(
+    path: str,
+    shape: tuple[int, ...],
+    logical: tuple[str | None, ...] | None,
+    rules: Rules,
+    mesh: Mesh,
+    role: str,
+    flax: dict[str, object] | None = None,
+) -> tuple[list[tuple[str, ...] | None], str, bool]:
+    """Mesh axes for each dimension, the reason, and whether the rules could not be followed."""
+    chosen: list[tuple[str, ...] | None] = [None] * len(shape)
+    notes: list[str] = []
+    short = False
+    if role in rules.whole:
+        return chosen, f"{rules.name} keeps {role} whole", False
+    if logical is not None and rules.annotations != "ignore":
+        chosen, notes, short = _place_logical(path, shape, logical, rules, mesh, flax)
+        if rules.auto_axis is None or rules.annotations == "use":
+            return chosen, "; ".join(notes), short
+    elif rules.auto_axis is None:
+        if rules.strict and rules.shards_anything() and shape:
+            raise RuleError(
+                f"{path}: an array of shape {shape} has no logical names, and rule set "
+                f"{rules.name!r} is strict and has no automatic axis. Annotate it, add a path "
+                "rule for it, or use auto_fsdp(...) to split unnamed arrays."
+            )
+        return chosen, "no logical names: replicated", rules.shards_anything() and bool(shape)
+    axis, size = rules.auto_axis, mesh.shape[rules.auto_axis]
+    if any(axis in (axes or ()) for axes in chosen):
+        return chosen, "; ".join([*notes, f"{axis} already splits another dimension"]), short
+    whole_dims = tuple(0 if axes else n for n, axes in zip(shape, chosen, strict=True))
+    dim = largest_divisible_dim(whole_dims, size)
+    kind = "fill" if logical is not None and rules.annotations == "fill" else "auto"
+    if dim is None:
+        if rules.strict and shape:
+            raise RuleError(
+                f"{path}: no whole dimension of shape {shape} is divisible by {axis} ({size}) "
+                f"and rule set {rules.name!r} is strict. Pad a dimension to a multiple of "
+                f"{size}, use a mesh whose {axis} divides one, or strict=False to replicate it."
+            )
+        split = any(chosen)
+        whole = f"{kind}: no {'whole ' if split else ''}dimension divisible by {axis} ({size}), "
+        whole += "so not split further" if split else "replicated"
+        return chosen, "; ".join([*notes, whole]), short or (not split and bool(shape) and size > 1)
+    chosen[dim] = (axis,)
+    picked = f"{kind}: largest dimension divisible by {axis} ({size})"
+    if size == 1:
+        picked = f"{kind}: {axis} has one device, so not split"
+    return chosen, "; ".join([*notes, picked]), short
+
+
+ANNOTATION_KEYS = ("out_sharding", "sharding_names", "sharding")
+"""Variable metadata holding logical (or mesh axis) names, newest Flax spelling first:
+`nnx.with_partitioning` and `nnx.Param(..., out_sharding=...)` write `out_sharding`."""
+
+
+def _logical_names(leaf: Any, path: str, rules: Rules) -> tuple[str | None, ...] | None:
+    from_path = rules.names_for_path(path)
+    if from_path is not None:
+        return tuple(from_path)
+    if isinstance(leaf, nnx.Variable):
+        metadata = leaf.get_metadata()
+        for key in ANNOTATION_KEYS:
+            names = metadata.get(key)
+            if isinstance(names, PartitionSpec | tuple | list) and names:
+                return tuple(names)
+    return None
+
+
+def flax_rules_of(leaf: Any) -> dict[str, object]:
+    """Flax's logical rules for `leaf`: the active `nnx.logical_axis_rules` merged with the
+    variable's own `sharding_rules` metadata, by Flax's own merge (which refuses a name the
+    two map differently)."""
+    local = leaf.get_metadata().get("sharding_rules") if isinstance(leaf, nnx.Variable) else None
+    return dict(composite_rules(get_logical_axis_rules(), local or ()))
+
+
+class Layout:
+    """A rule set resolved against a tree of arrays and a mesh."""
+
+    def __init__(self, rules: Rules, mesh: Mesh, placements: list[Placement], specs: Any):
+        self.rules = rules
+        self.mesh = mesh
+        self.placements = placements
+        self.specs = specs
+
+    def shardings(self) -> Any:
+        """The tree of `NamedSharding`s, shaped like the resolved tree."""
+        return jax.tree.map(
+            lambda spec: NamedSharding(self.mesh, spec),
+            self.specs,
+            is_leaf=lambda x: isinstance(x, PartitionSpec),
+        )
+
+    def array_at(self, path: str) -> jax.ShapeDtypeStruct:
+        """The array at `path` as a shape, dtype and sharding: drawable before it exists."""
+        for p in self.placements:
+            if p.path == path:
+                return jax.ShapeDtypeStruct(
+                    p.shape, p.dtype, sharding=NamedSharding(self.mesh, p.spec)
+                )
+        raise KeyError(f"no array at {path!r}; the layout has {[p.path for p in self.placements]}")
+
+    def bytes_per_device(self) -> int:
+        """Bytes each device holds for the whole tree (the largest share if uneven)."""
+        return sum(p.bytes_per_device for p in self.placements)
+
+    def total_bytes(self) -> int:
+        """Bytes of the whole tree, unsharded."""
+        return sum(p.total_bytes for p in self.placements)
+
+    def replicated_bytes(self) -> int:
+        """Bytes of the arrays every device holds whole (`replicated()`'s, summed)."""
+        return sum(p.total_bytes for p in self.replicated())
+
+    def replicated(self, min_bytes: int = 0) -> list[Placement]:
+        """The arrays of at least `min_bytes` that every device holds whole (cut into one
+        piece: no axis splits them, or only axes of one device), largest first."""
+        whole = [p for p in self.placements if p.pieces == 1 and p.total_bytes >= min_bytes]
+        return sorted(whole, key=lambda p: -p.total_bytes)
+
+    def unsplit(self) -> list[Placement]:
+        """The arrays split less than the rule set meant, each with its reason: a dimension
+        no candidate divides, no logical names under rules that split others, or (held whole)
+        only axes of one device to split over. Largest first."""
+        less = [p for p in self.placements if p.fallback or (p.pieces == 1 and any(p.spec))]
+        return sorted(less, key=lambda p: -p.total_bytes)
+
+    @property
+    def batch_sharding(self) -> NamedSharding:
+        """Where a batch goes: every array of it split on its first dimension over the mesh
+        axes of the rule set's `batch` rule (the first candidate the mesh has), the rest whole."""
+        for axes in self.rules.candidates("batch", "the batch"):
+            if set(axes) <= set(self.mesh.axis_names):
+                return NamedSharding(self.mesh, PartitionSpec(_spec_entry(axes)))
+        return NamedSharding(self.mesh, PartitionSpec())
+
+    def __str__(self) -> str:
+        whole = self.replicated()
+        lines = [
+            f"{self.rules.name} on mesh {dict(self.mesh.shape)}: {len(self.placements)} arrays, "
+            f"{self.bytes_per_device():,} of {self.total_bytes():,} bytes per device "
+            f"({self.bytes_per_device() / max(1, self.total_bytes()):.1%}), "
+            f"{len(whole)} held whole by every device"
+        ]
+        lines += [
+            f"  {p.path} {p.shape} -> {tuple(p.spec)} {p.shard_shape}" for p in self.placements
+        ]
+        return "\n".join(lines)
+
+    def __getitem__(self, path: str) -> Placement:
+        for placement in self.placements:
+            if placement.path == path:
+                return placement
+        raise KeyError(f"no array at {path!r}; paths look like {self.placements[0].path!r}")
+
+    def _repr_markdown_(self) -> str:
+        share = self.bytes_per_device() / self.total_bytes()
+        title = (
+            f"**{self.rules.name}** on mesh {dict(self.mesh.shape)}: {self.bytes_per_device():,}"
+            f" of {self.total_bytes():,} bytes per device ({share:.1%})"
+        )
+        headers = ["path", "shape", "logical axes", "mesh spec", "per device", "bytes/device"]
+        rows = [
+            [
+                p.path,
+                p.shape,
+                p.logical or "-",
+                tuple(p.spec),
+                p.shard_shape,
+                p.bytes_per_device,
+                p.reason,
+            ]
+            for p in self.placements
+        ]
+        return str(table([*headers, "note"], rows, title))
+
+
+WARN_BYTES = 1 << 20
+"""Arrays at least this large that the rules meant to split and could not are warned about."""
+
+
+class ReplicationWarning(UserWarning):
+    """Arrays that a rule set meant to split are held whole by every device."""
+
+
+def resolve(
+    tree: Any, rules: Rules, mesh: Mesh, *, warn_bytes: int = WARN_BYTES, role: str | None = None
+) -> Layout:
+    """Place every array of `tree` (an nnx State, a module's state, or any pytree) on `mesh`.
+
+    Logical names come from a matching path rule, else the variable's `out_sharding`
+    annotation; arrays with neither are replicated, or split by the automatic FSDP rule.
+    Flax's logical rules (the variable's `sharding_rules`, and `nnx.logical_axis_rules` if
+    active while this runs: enter it again around a restore) are tried before `rules`'.
+    Arrays whose role (`role`, else `nnxscale.rules.role_of(path)`) is in `rules.whole` stay
+    whole.
+    Arrays of at least `warn_bytes` that the rules could not split raise a
+    `ReplicationWarning` naming them (`Layout.replicated()` lists every whole array).
+    """
+    axis_kind(mesh)
+    missing = sorted(rules.mesh_axes() - set(mesh.axis_names))
+    if missing:
+        raise RuleError(
+            f"rule set {rules.name!r} uses mesh axes {missing} that the mesh "
+            f"{dict(mesh.shape)} does not have. Add them to the mesh (size 1 is fine) or use "
+            "a rule set written for this mesh."
+        )
+    treedef = jax.tree.structure(tree, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    placements, specs = [], []
+    for path, leaf in flat(tree):
+        shape = tuple(int(d) for d in np.shape(leaf))
+        dtype = leaf.dtype  # a NumPy dtype, or a JAX key type (which has an itemsize too)
+        logical = _logical_names(leaf, path, rules)
+        flax = flax_rules_of(leaf)
+        where = role or role_of(path)
+        chosen, reason, fallback = _place(path, shape, logical, rules, mesh, where, flax)
+        spec = PartitionSpec(*(_spec_entry(axes) for axes in chosen))
+        splits = [_axes_size(mesh, a) if a else 1 for a in chosen]
+        shard = tuple(s // k for s, k in zip(shape, splits, strict=True))
+        placements.append(
+            Placement(
+                path,
+                shape,
+                str(dtype),
+                logical,
+                spec,
+                shard,
+                math.prod(shard) * dtype.itemsize,
+                math.prod(shape) * dtype.itemsize,
+                reason,
+                fallback,
+            )
+        )
+        specs.append(leaf.replace(spec) if isinstance(leaf, nnx.Variable) else spec)
+    layout = Layout(rules, mesh, placements, treedef.unflatten(specs))
+    _warn_if_whole([p for p in placements if p.fallback and p.pieces == 1], layout, warn_bytes)
+    return layout
+
+
+def _warn_if_whole(whole: list[Placement], layout: Layout, warn_bytes: int) -> None:
+    big = sorted((p for p in whole if p.total_bytes >= warn_bytes), key=lambda p: -p.total_bytes)
+    arrays = [p for p in layout.placements if p.shape and p.total_bytes > 0]
+    if whole and len(whole) == len(arrays) and warn_bytes < math.inf:
+        big = sorted(whole, key=lambda p: -p.total_bytes)  # the rules split nothing at all
+    if not big:
+        return
+    listed = ", ".join(f"{p.path} {p.shape} ({p.reason})" for p in big[:3])
+    more = f" and {len(big) - 3} more" if len(big) > 3 else ""
+    held = sum(p.total_bytes for p in big)
+    warnings.warn(
+        ReplicationWarning(
+            f"rule set {layout.rules.name!r} on mesh {dict(layout.mesh.shape)} leaves "
+            f"{len(big)} arrays of {held:,} bytes whole on every device: {listed}{more}. "
+            "Use a mesh whose axes divide their dimensions, add rules or annotations for "
+            "them, or auto_fsdp(...); Layout.replicated() lists every whole array."
+        ),
+        stacklevel=3,
+    )
+
+
+_ACTIVE: contextvars.ContextVar[tuple[Rules, Mesh] | None] = contextvars.ContextVar(
+    "nnxscale_activation_rules", default=None
+)
+
+
+@contextlib.contextmanager
+def activation_rules(rules: Rules | None, mesh: Mesh | None = None):
+    """While active, `constrain` places activations by `rules` on `mesh` (the Trainer enters
+    it while it traces a step, so one rule set places parameters and activations alike);
+    `activation_rules(None)` turns the constraints off."""
+    token = _ACTIVE.set(None if rules is None else (rules, mesh))
+    try:
+        yield
+    finally:
+        _ACTIVE.reset(token)
+
+
+def _active() -> tuple[Rules, Mesh] | None:
+    """The active rules and mesh; none inside `jax.shard_map`, where each device's program
+    holds its own pieces and places nothing."""
+    if jax.sharding.get_abstract_mesh().manual_axes:
+        return None
+    return _ACTIVE.get()
+
+
+def activation_spec(
+    shape: tuple[int, ...],
+    names: tuple[str | None, ...],
+    beside: tuple[tuple[int, str], ...] = (),
+) -> tuple[PartitionSpec, Mesh] | None:
+    """The partition spec the active rules give an activation of `shape` with logical `names`
+    (names the rules do not know stay whole), and the mesh; None when no rules are active.
+    `beside` holds (size, name) dimensions placed first and then dropped: an array read
+    alongside them, such as the table a batch's lookup indexes, stays off their mesh axes."""
+    active = _active()
+    if active is None:
+        return None
+    rules, mesh = active
+    lead = tuple(size for size, _ in beside)
+    every = tuple(name for _, name in beside) + tuple(names)
+    chosen = activation_axes(lead + tuple(shape), every, rules, mesh)
+    return _spec(chosen[len(lead) :]), mesh
+
+
+ROUTED = ("experts",)
+"""Logical weight dimensions that stay split where the tokens are split too: the tokens travel
+to their experts (an all-to-all) instead of the weights to the tokens."""
+
+Axes = list[tuple[str, ...] | None]
+"""The mesh axes splitting each dimension of an array (None: whole)."""
+
+
+def weight_axes(
+    shape: tuple[int, ...], names: tuple[str | None, ...], rules: Rules, mesh: Mesh
+) -> tuple[Axes, Axes]:
+    """Where `rules` store a parameter of `shape` with logical `names` on `mesh` (as `resolve`
+    places it, ZeRO's whole parameters included), and where a computation reads it: the
+    stored axes less those that split the tokens (`Rules.token_axes`), whose dimensions are
+    gathered first (FSDP), except routed ones (`ROUTED`)."""
+    stored, _, _ = _place("weight", tuple(shape), tuple(names), rules, mesh, "params")
+    tokens = set(rules.token_axes(mesh.axis_names))
+    read = [
+        axes if not axes or name in ROUTED else (tuple(a for a in axes if a not in tokens) or None)
+        for axes, name in zip(stored, names, strict=True)
+    ]
+    return stored, read
+
+
+def activation_axes(
+    shape: tuple[int, ...], names: tuple[str | None, ...], rules: Rules, mesh: Mesh
+) -> Axes:
+    """The mesh axes `rules` give each dimension of an activation with logical `names` on
+    `mesh` (names the rules do not know stay whole)."""
+    known = tuple(n if n is not None and n in rules.logical else None for n in names)
+    chosen, _, _ = _place_logical("activation", tuple(shape), known, rules, mesh)
+    return chosen
+
+
+def weight_layout(
+    shape: tuple[int, ...], names: tuple[str | None, ...] | None
+) -> tuple[PartitionSpec, PartitionSpec, Mesh] | None:
+    """The stored and read partition specs (`weight_axes`) the active rules give a parameter,
+    and the mesh; None when no rules are active."""
+    active = _active()
+    if active is None or names is None:
+        return None
+    rules, mesh = active
+    stored, read = weight_axes(shape, names, rules, mesh)
+    return _spec(stored), _spec(read), mesh
+
+
+def _spec(axes: Axes) -> PartitionSpec:
+    return PartitionSpec(*(_spec_entry(a) for a in axes))
+
+
+def activation_axis(name: str) -> tuple[str, int] | None:
+    """The mesh axis (and its size, above 1) that the active rules split logical axis `name`
+    of activations over, if any: how the model finds its context-parallel axis."""
+    active = _active()
+    if active is None or not active[0].logical.get(name):
+        return None
+    rules, mesh = active
+    first = rules.candidates(name, "activation")[0]
+    if len(first) != 1 or first[0] not in mesh.shape or mesh.shape[first[0]] == 1:
+        return None
+    return first[0], mesh.shape[first[0]]
+
+
+def constrain(
+    x: jax.Array, names: tuple[str | None, ...], beside: tuple[tuple[int, str], ...] = ()
+) -> jax.Array:
+    """`x` constrained to the layout its logical names get under the active rules (next to
+    the `beside` dimensions, as in `activation_spec`); `x` itself when no rules are active."""
+    placed = activation_spec(x.shape, names, beside)
+    if placed is None:
+        return x
+    spec, mesh = placed
+    return constrain_to(x, NamedSharding(mesh, spec))
+
+
+def _explicit() -> bool:
+    """Whether rules are active on a mesh whose axes are Explicit."""
+    active = _active()
+    return active is not None and axis_kind(active[1]) == "explicit"
+
+
+def placed_einsum(
+    subscripts: str, a: jax.Array, b: jax.Array, names: tuple[str | None, ...]
+) -> jax.Array:
+    """`jnp.einsum(subscripts, a, b)`, its output placed where its logical `names` go under the
+    active rules when the mesh's axes are Explicit: there the layout is part of the product's
+    type (`out_sharding=`), which JAX requires where the inputs leave it open, as a contraction
+    split on both sides (tensor parallelism's second product) does. On Auto axes, or with no
+    rules active, the plain product: the compiler places it."""
+    if not _explicit():
+        return jax.numpy.einsum(subscripts, a, b)
+    inputs, output = subscripts.split("->")
+    sizes = dict(zip(inputs.split(",")[0], a.shape, strict=True))
+    sizes.update(zip(inputs.split(",")[1], b.shape, strict=True))
+    spec, mesh = activation_spec(tuple(sizes[letter] for letter in output), names)
+    return jax.numpy.einsum(subscripts, a, b, out_sharding=NamedSharding(mesh, spec))
+
+
+def placed_lookup(
+    table: jax.Array,
+    rows: jax.Array,
+    names: tuple[str | None, ...],
+    beside: tuple[tuple[int, str], ...] = (),
+) -> jax.Array:
+    """`table[rows]`, the lookup of an embedding, its output placed by its logical `names`
+    (next to the `beside` dimensions, as in `activation_spec`) on Explicit axes: a gather
+    whose layout JAX does not choose when the table is split (`.at[rows].get(out_sharding=)`).
+    The plain lookup on Auto axes or with no rules active."""
+    if not _explicit():
+        return table[rows]
+    spec, mesh = activation_spec((*rows.shape, *table.shape[1:]), names, beside)
+    return table.at[rows].get(out_sharding=NamedSharding(mesh, spec))
+
+
+def alongside(w: jax.Array, x: jax.Array) -> jax.Array:
+    """Weight `w` ready to meet activation `x` in an elementwise operation (a norm's scale, a
+    position embedding). On Explicit axes a weight read as `reduced` (`train.unreduced_grads`)
+    may not meet an array split over the axes it is reduced on; broadcast to `x`'s shape and
+    split as `x` is, it may, and its gradient stays unreduced. Any other `w` as it is."""
+    kind = jax.typeof(w).sharding
+    if not getattr(kind.spec, "reduced", None):
+        return w
+    return jax.sharding.reshard(jax.numpy.broadcast_to(w, x.shape), jax.typeof(x).sharding)
+
+
+def per_row(index: jax.Array, rows: jax.Array) -> jax.Array:
+    """`index` (one entry per column of `rows`, such as each token's position) broadcast to
+    `rows`'s shape and split as `rows` is, on Explicit axes: each device then looks up its own
+    rows' entries, and a table read as `reduced` (`train.unreduced_grads`) gets its gradient
+    unreduced, where a lookup shared by every row would be summed over the rows' axis at once.
+    `index` as it is on Auto axes or with no rules active."""
+    if not _explicit():
+        return index
+    return jax.numpy.broadcast_to(index, rows.shape, out_sharding=jax.typeof(rows).sharding)

@@ -1,0 +1,541 @@
+"""Rule sets that map logical axis names onto mesh axes, with ordered fallbacks.
+
+A rule set is data: for each logical axis, the mesh axes to try in order. Resolving it against
+a model and a mesh (`nnxscale.layout.resolve`) picks, for every dimension of every array, the
+first candidate that exists, is not already used by another dimension of the same array, and
+divides the dimension; otherwise the dimension is replicated and the reason recorded.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from collections.abc import Iterable, Mapping
+
+import jax
+from jax.sharding import Mesh
+
+from nnxscale.core.show import Markdown, table
+from nnxscale.placement.mesh import grid_shape, make_mesh
+
+type MeshAxes = str | tuple[str, ...]
+"""One candidate: a mesh axis, or several mesh axes used together for one dimension."""
+
+
+class RuleError(ValueError):
+    """A rule set that cannot be applied as written; the message names the array and the fix."""
+
+
+ANNOTATIONS = ("use", "ignore", "fill")
+"""How `auto_axis` meets arrays that carry logical names: see `Rules`."""
+
+ROLES = ("params", "grads", "optimizer")
+"""What an array of the training step is: a parameter, a gradient, or optimizer state (the
+optimizer's moments and the EMA). ZeRO stages are rule sets that keep some roles whole."""
+
+
+def role_of(path: str) -> str:
+    """The role of a train state array from its path: optimizer state under `optimizer/` and
+    `ema/`, a parameter (or a step counter, RNG key) anywhere else."""
+    return "optimizer" if path.startswith(("optimizer/", "ema/")) else "params"
+
+
+@dataclasses.dataclass(frozen=True)
+class Rules:
+    """A named rule set, and the mesh it is meant for.
+
+    `logical` maps each logical axis name to its candidates, tried in order; an empty tuple
+    replicates that axis. `paths` are (regular expression, logical names) pairs: the first
+    pattern that matches an array's path (searched, `/`-separated) gives its logical names,
+    overriding its annotations, which is how arrays without annotations get names.
+    `auto_axis` shards arrays that have no logical names along their largest dimension the
+    axis divides (automatic FSDP); `annotations` says what it does with arrays that have them:
+    `"use"` places them by `logical` only, `"ignore"` treats them as unnamed, `"fill"` places
+    them by `logical` and then splits their largest still-whole dimension over `auto_axis`.
+    `strict` turns a dimension that should be split and cannot be into an error.
+    `whole` lists roles (`ROLES`) the rules do not split: ZeRO-1 is FSDP's rules with
+    parameters and gradients whole, ZeRO-2 with parameters whole.
+    `axes` and `sizes` describe the mesh (`strategy_mesh` builds it): an axis of size -1 takes
+    the devices the others leave, one of size k takes the largest count up to k that divides
+    what is left; without a -1 the sizes are the mesh's shape, for exactly that many devices.
+
+    Path rules are searched in every array's path; when several match, the one matching the
+    longest stretch of the path wins (`_query_norm/scale$` over `norm/scale$`), and two equally
+    long matches that give different names are refused: the order they are written in never
+    decides.
+    """
+
+    name: str
+    logical: Mapping[str, tuple[MeshAxes, ...]]
+    paths: tuple[tuple[str, tuple[str | None, ...]], ...] = ()
+    auto_axis: str | None = None
+    annotations: str = "use"
+    strict: bool = False
+    axes: tuple[str, ...] = ("data", "model")
+    sizes: tuple[int, ...] = (-1, 1)
+    whole: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        unknown_roles = sorted(set(self.whole) - set(ROLES))
+        if unknown_roles:
+            raise RuleError(
+                f"rule set {self.name!r}: whole={self.whole!r} names roles {unknown_roles}; "
+                f"use some of {', '.join(map(repr, ROLES))}."
+            )
+        if self.annotations not in ANNOTATIONS:
+            raise RuleError(
+                f"rule set {self.name!r}: annotations={self.annotations!r}; use one of "
+                f"{', '.join(map(repr, ANNOTATIONS))}."
+            )
+        if (
+            len(self.axes) != len(self.sizes)
+            or list(self.sizes).count(-1) > 1
+            or any(s != -1 and (not isinstance(s, int) or s < 1) for s in self.sizes)
+        ):
+            raise RuleError(
+                f"rule set {self.name!r}: mesh axes {self.axes} with sizes {self.sizes}; give "
+                "one size per axis, each a whole number of at least 1, and at most one of "
+                "them -1 (the devices the others leave)."
+            )
+        unknown = sorted(self.mesh_axes() - set(self.axes))
+        if unknown:
+            raise RuleError(
+                f"rule set {self.name!r} refers to mesh axes {unknown} that its mesh axes "
+                f"{self.axes} lack: add them to `axes` (with a size) or change the rules."
+            )
+
+    def replace(self, **changes: object) -> Rules:
+        """A copy with some fields changed."""
+        return dataclasses.replace(self, **changes)
+
+    def candidates(
+        self, logical_name: str, path: str, flax: Mapping[str, object] | None = None
+    ) -> tuple[tuple[str, ...], ...]:
+        """The candidates for `logical_name`, each as a tuple of mesh axes. A name that Flax's
+        logical rules (`flax`: the active `nnx.logical_axis_rules` and the variable's own
+        `sharding_rules`, `flax_rules_of`) map tries Flax's mesh axes first and then this rule
+        set's candidates as fallbacks; Flax's None (replicate) is kept as it is."""
+        if flax and logical_name in flax:
+            target = flax[logical_name]
+            if target is None:
+                return ()
+            first = _as_tuple(target)  # type: ignore[arg-type]
+            rest = self.logical.get(logical_name, ())
+            return (first, *(c for c in map(_as_tuple, rest) if c != first))
+        if logical_name not in self.logical:
+            known = ", ".join(sorted(self.logical)) or "no names"
+            raise RuleError(
+                f"{path}: logical axis {logical_name!r} has no rule in rule set {self.name!r} "
+                f"(it has rules for {known}). Add one, e.g. {logical_name!r}: ('data',) to "
+                f"shard it or {logical_name!r}: () to replicate it; for a model annotated "
+                "with mesh axis names use mesh_axis_rules(...), or annotations='ignore' to "
+                "place it by the automatic axis alone."
+            )
+        return tuple((c,) if isinstance(c, str) else tuple(c) for c in self.logical[logical_name])
+
+    def names_for_path(self, path: str) -> tuple[str | None, ...] | None:
+        """Logical names that a path rule gives the array at `path`, if any rule matches: the
+        rule matching the longest stretch of the path (see the class docstring)."""
+        found = []
+        for pattern, names in self.paths:
+            match = re.search(pattern, path)
+            if match:
+                found.append((match.end() - match.start(), pattern, tuple(names)))
+        if not found:
+            return None
+        longest = max(length for length, _, _ in found)
+        best = {names: pattern for length, pattern, names in found if length == longest}
+        if len(best) > 1:
+            rival = "; ".join(f"{pattern!r} gives {names}" for names, pattern in best.items())
+            raise RuleError(
+                f"{path}: path rules of rule set {self.name!r} match equally long stretches of "
+                f"it and disagree ({rival}). Make one more specific (anchor it, e.g. "
+                f"'(^|/){path.rsplit('/', 1)[-1]}$' or the whole path '^{path}$')."
+            )
+        return next(iter(best))
+
+    def mesh_axes(self) -> set[str]:
+        """Every mesh axis the rule set refers to."""
+        axes = {a for cands in self.logical.values() for c in cands for a in _as_tuple(c)}
+        return axes | ({self.auto_axis} if self.auto_axis else set())
+
+    def shards_anything(self) -> bool:
+        """Whether the rule set splits any parameter (DP and PP's replicated parts do not)."""
+        named = any(c for name, c in self.logical.items() if name != "batch")
+        return named or self.auto_axis is not None
+
+    def token_axes(self, mesh_axes: Iterable[str]) -> tuple[str, ...]:
+        """The mesh axes (of `mesh_axes`) that split the tokens: the batch's, and the
+        sequence's under context parallelism. Each device computes the loss of its own tokens,
+        so gradients are summed over these axes, and weights split over them are gathered."""
+        present = set(mesh_axes)
+        found: list[str] = []
+        for name in ("batch", "length"):
+            for axes in self.logical.get(name, ()):
+                if set(_as_tuple(axes)) <= present:
+                    found += [a for a in _as_tuple(axes) if a not in found]
+                    break
+        return tuple(found)
+
+    def mesh_shape(self, devices: int) -> tuple[int, ...]:
+        """The size of each of `axes` on `devices` devices (see the class docstring)."""
+        if -1 not in self.sizes:
+            if math.prod(self.sizes) != devices:
+                fixed = dict(zip(self.axes, self.sizes, strict=True))
+                raise RuleError(
+                    f"rule set {self.name!r} fixes its mesh at {fixed}"
+                    f" ({math.prod(self.sizes)} devices), and {devices} were asked for: make one "
+                    "size -1 to take the devices the others leave, or use that many devices."
+                )
+            return tuple(self.sizes)
+        left, shape = devices, list(self.sizes)
+        for i, size in enumerate(self.sizes):
+            if size > 0:
+                shape[i] = grid_shape(left, size)[1]
+                left //= shape[i]
+        shape[self.sizes.index(-1)] = left
+        return tuple(shape)
+
+
+def _as_tuple(candidate: MeshAxes) -> tuple[str, ...]:
+    return (candidate,) if isinstance(candidate, str) else tuple(candidate)
+
+
+_REPLICATED = {
+    "vocab": (),
+    "embed": (),
+    "heads": (),
+    "kv_heads": (),
+    "head_dim": (),
+    "mlp": (),
+    "length": (),
+    "experts": (),
+}
+_ACTIVATIONS = {"batch": ("data",), "layers": ()}
+STAGE, FSDP_AXIS = "stage", "fsdp"
+"""The pipeline's mesh axes: stages, and FSDP inside each stage."""
+
+DP = Rules("DP", {**_REPLICATED, **_ACTIVATIONS})
+"""Data parallelism: parameters replicated, the batch split over `data`."""
+
+FSDP = Rules(
+    "FSDP",
+    {**_REPLICATED, **_ACTIVATIONS, "embed": ("data",), "mlp": ("data",), "vocab": ("data",)},
+)
+"""Fully sharded data parallelism: each parameter split over `data` along its `embed`
+dimension, or else its `mlp` or `vocab` dimension; the batch split over `data` too."""
+
+TP = Rules(
+    "TP",
+    {
+        **_REPLICATED,
+        **_ACTIVATIONS,
+        "heads": ("model",),
+        "kv_heads": ("model",),
+        "mlp": ("model",),
+        "vocab": ("model",),
+    },
+    sizes=(-1, 2),
+)
+"""Tensor parallelism (Megatron-LM): attention split by heads, the MLP by its hidden units
+(column- then row-parallel), embeddings and head by vocabulary, over `model`."""
+
+FSDP_TP = Rules(
+    "FSDP+TP",
+    {
+        **_REPLICATED,
+        **_ACTIVATIONS,
+        "embed": ("data",),
+        "heads": ("model",),
+        "kv_heads": ("model",),
+        "mlp": ("model", "data"),
+        "vocab": ("model", "data"),
+    },
+    sizes=(-1, 2),
+)
+"""TP over `model` and FSDP over `data`; `mlp` and `vocab` fall back to `data` when `model`
+does not divide them."""
+
+PP = Rules(
+    "PP",
+    {**_REPLICATED, "layers": (STAGE,), "rounds": (), "batch": ()},
+    axes=(STAGE,),
+    sizes=(-1,),
+)
+"""Pipeline parallelism: each block's layers split over `stage` (with virtual stages, the
+layers of each round: `nnxscale.pipeline.placed`), everything else replicated."""
+
+PP_FSDP = Rules(
+    "PP+FSDP",
+    {
+        **_REPLICATED,
+        "layers": (STAGE,),
+        "rounds": (),
+        "batch": (FSDP_AXIS,),
+        "embed": (FSDP_AXIS,),
+        "mlp": (FSDP_AXIS,),
+        "vocab": (FSDP_AXIS,),
+    },
+    axes=(STAGE, FSDP_AXIS),
+    sizes=(-1, 2),
+)
+"""Pipeline stages over `stage`, and FSDP over `fsdp` inside each stage."""
+
+ZERO1 = FSDP.replace(name="ZeRO-1", whole=("params", "grads"))
+"""ZeRO stage 1: the optimizer state (AdamW's moments, the EMA) split as FSDP splits it;
+parameters and gradients whole on every device, as in DP."""
+
+ZERO2 = FSDP.replace(name="ZeRO-2", whole=("params",))
+"""ZeRO stage 2: the optimizer state and the gradients split; parameters whole. (Stage 3,
+everything split, is FSDP.)"""
+
+REPLICA = "replica"
+"""The mesh axis across groups of devices (hosts) in hybrid sharding."""
+
+HSDP = Rules(
+    "HSDP",
+    {**FSDP.logical, "batch": ((REPLICA, "data"),)},
+    axes=(REPLICA, "data"),
+    sizes=(2, -1),
+)
+"""Hybrid sharding: FSDP over `data` inside each group of devices (a host), DP over
+`replica` across groups. The batch is split over both; every group holds a whole copy of
+the state, so the slow links between groups carry only a gradient all-reduce."""
+
+SP = TP.replace(name="TP+SP", logical={**TP.logical, "residual_length": ("model",)})
+"""Tensor parallelism with Megatron's sequence parallelism: the residual stream (norms,
+dropout, residual adds) split along its sequence over `model` too, so each layer's
+all-reduces become an all-gather before and a reduce-scatter after each split region."""
+
+CONTEXT = "context"
+"""The mesh axis context parallelism splits every sequence over."""
+
+_SEQUENCE = {"length": (CONTEXT,), "residual_length": (CONTEXT,)}
+
+CP = Rules(
+    "CP",
+    {**_REPLICATED, **_ACTIVATIONS, **_SEQUENCE},
+    axes=("data", CONTEXT),
+    sizes=(1, -1),
+)
+"""Context parallelism: every activation split along its sequence over `context` (ring
+attention passes keys and values around it); parameters replicated, as in DP."""
+
+FSDP_CP = Rules(
+    "FSDP+CP",
+    {**FSDP.logical, **_SEQUENCE},
+    axes=("data", CONTEXT),
+    sizes=(-1, 2),
+)
+"""FSDP over `data` (parameters and batch) and context parallelism over `context`."""
+
+EXPERT = "expert"
+"""The mesh axis expert parallelism splits a mixture's experts over."""
+
+EP = Rules(
+    "EP",
+    {
+        **_REPLICATED,
+        **_ACTIVATIONS,
+        "batch": (("data", EXPERT),),
+        "experts": (EXPERT,),
+        "groups": ("data",),
+    },
+    axes=("data", EXPERT),
+    sizes=(1, -1),
+    strict=True,
+)
+"""Expert parallelism: each device holds its share of every MoE layer's experts and its share
+of the batch (over `data` and `expert`); the rest replicated, as in DP. Strict: an expert
+count the axis does not divide is an error, not a silent replication."""
+
+FSDP_EP = Rules(
+    "FSDP+EP",
+    {**FSDP.logical, "batch": (("data", EXPERT),), "experts": (EXPERT,), "groups": ("data",)},
+    axes=("data", EXPERT),
+    sizes=(-1, 4),
+)
+"""Expert parallelism over `expert` and FSDP over `data`: the experts split over both."""
+
+STRATEGIES = {
+    rules.name: rules
+    for rules in (
+        DP,
+        ZERO1,
+        ZERO2,
+        FSDP,
+        TP,
+        FSDP_TP,
+        HSDP,
+        PP,
+        PP_FSDP,
+        SP,
+        CP,
+        FSDP_CP,
+        EP,
+        FSDP_EP,
+    )
+}
+"""Every rule set of the book, with the mesh axes and sizes each is meant for."""
+
+RULE_SETS = {rules.name: rules for rules in (DP, FSDP, TP, FSDP_TP)}
+"""The four strategies chapters 2 to 4 compare on one model, on a `(data, model)` mesh."""
+
+
+def compare(*rule_sets: Rules) -> Markdown:
+    """Markdown table: for each logical axis, the candidates of each rule set, in order."""
+    names = sorted({name for rules in rule_sets for name in rules.logical})
+
+    def cell(rules: Rules, name: str) -> str:
+        if name not in rules.logical:
+            return "(no rule)"
+        options = ["+".join(_as_tuple(c)) for c in rules.logical[name]]
+        return " then ".join(options) if options else "replicated"
+
+    rows = [[name, *(cell(rules, name) for rules in rule_sets)] for name in names]
+    return table(["logical axis", *(rules.name for rules in rule_sets)], rows)
+
+
+def auto_fsdp(
+    axis: str = "data",
+    *,
+    annotations: str = "use",
+    logical: Rules | None = None,
+    strict: bool = False,
+) -> Rules:
+    """Automatic FSDP for any pytree: each array split on its largest dimension `axis` divides.
+
+    The batch is split over `axis` too. Arrays with logical names follow `logical`'s rules
+    (for a model annotated with mesh axis names, `mesh_axis_rules(...)`), as `annotations`
+    says: "use" them, "ignore" them, or "fill" what they leave whole.
+    """
+    base = logical or Rules("", {}, axes=(axis,), sizes=(-1,))
+    axes, sizes = base.axes, base.sizes
+    if axis not in axes:  # the automatic axis takes the devices the others leave
+        axes, sizes = (*axes, axis), (*(1 if s == -1 else s for s in sizes), -1)
+    return base.replace(
+        name=f"auto-FSDP({axis})" + (f" over {base.name}" if base.name else ""),
+        logical={"batch": (axis,), **base.logical},
+        auto_axis=axis,
+        annotations=annotations,
+        strict=strict,
+        axes=axes,
+        sizes=sizes,
+    )
+
+
+BATCH_AXES = ("data", "fsdp", "batch", "replica", "dp")
+"""Mesh axis names that `mesh_axis_rules` takes for the batch's when it is not given, first
+found first."""
+
+
+def mesh_axis_rules(
+    axes: tuple[str, ...] | Mesh = ("data", "model"),
+    sizes: tuple[int, ...] | None = None,
+    *,
+    batch: MeshAxes | str | None = "infer",
+) -> Rules:
+    """Rules for a model annotated with mesh axis names (as Flax's examples do): each name maps
+    to the mesh axis of that name. `axes` is the axis names, or a mesh (its names and sizes);
+    `sizes` default to the mesh's, else (-1, 1, ...). The batch is split over `batch`: by
+    default the first of `BATCH_AXES` the mesh has; None keeps it whole on every device."""
+    if isinstance(axes, Mesh):
+        sizes = sizes or tuple(axes.shape[name] for name in axes.axis_names)
+        axes = tuple(axes.axis_names)
+    axes = tuple(axes)
+    if not axes:
+        raise RuleError("no mesh axes given: pass their names, or a mesh")
+    sizes = sizes or (-1, *([1] * (len(axes) - 1)))
+    if batch == "infer":
+        batch = next((name for name in BATCH_AXES if name in axes), None)
+        if batch is None:
+            raise RuleError(
+                f"mesh axes {axes}: none is named like a batch axis ({', '.join(BATCH_AXES)}), "
+                f"so say which splits the batch: mesh_axis_rules(..., batch={axes[0]!r}), or "
+                "batch=None to keep every example on every device."
+            )
+    missing = [a for a in (_as_tuple(batch) if batch else ()) if a not in axes]
+    if missing:
+        raise RuleError(
+            f"batch={batch!r} names {missing}, which is not among the mesh axes {axes}: pass "
+            f"batch= one of them (e.g. batch={axes[0]!r}), or batch=None to keep it whole."
+        )
+    logical = {axis: (axis,) for axis in axes}
+    return Rules(
+        f"mesh axes {'/'.join(axes)}",
+        {**logical, "batch": (batch,) if batch else ()},
+        axes=axes,
+        sizes=tuple(sizes),
+    )
+
+
+def flax_rules(
+    logical_rules: Iterable[tuple[str, MeshAxes | None]],
+    base: Rules | None = None,
+    *,
+    axes: tuple[str, ...] | Mesh | None = None,
+    batch: MeshAxes | str | None = "infer",
+) -> Rules:
+    """A rule set from Flax's logical axis rules (the pairs `nnx.logical_axis_rules` and a
+    variable's `sharding_rules` take): each logical name tries Flax's mesh axes first, then
+    `base`'s candidates for it as fallbacks; `base` (auto-FSDP, strict, ZeRO's roles) keeps
+    the rest. Without `base`, the mesh is `axes` (names or a mesh, whose sizes it then keeps;
+    default the axes the Flax rules name, in order, sized as `mesh_axis_rules` sizes them)
+    and the batch as in `mesh_axis_rules`."""
+    pairs = [(str(name), target) for name, target in logical_rules]
+    if base is None:
+        named = [a for _, t in pairs if t for a in _as_tuple(t)]  # type: ignore[arg-type]
+        base = mesh_axis_rules(axes or tuple(dict.fromkeys(named)), batch=batch)
+        base = base.replace(logical={"batch": base.logical["batch"]})
+    targets: dict[str, list[tuple[str, ...] | None]] = {}
+    for name, target in pairs:  # Flax tries a name's rules in the order given
+        targets.setdefault(name, []).append(None if target is None else _as_tuple(target))
+    logical = dict(base.logical)
+    for name, tried in targets.items():
+        if None in tried:  # replicate: the rules before it are still tried first
+            tried = tried[: tried.index(None)]
+            logical[name] = tuple(tried)
+            continue
+        rest = [c for c in logical.get(name, ()) if _as_tuple(c) not in tried]
+        logical[name] = (*tried, *rest)
+    over = f" over {base.name}" if base.name and not base.name.startswith("mesh axes") else ""
+    return base.replace(name=f"Flax rules{over}", logical=logical)
+
+
+VOCABULARY = {
+    "batch": "examples of a batch (activations' first dimension)",
+    "length": "positions of a sequence inside attention (keys, values, scores)",
+    "residual_length": "positions of a sequence in the residual stream (norms, adds, dropout)",
+    "vocab": "token ids: rows of the embedding table, columns of the output head",
+    "embed": "the model width: the residual stream's features, in and out of every block",
+    "heads": "attention heads of the queries (and of the output projection's input)",
+    "kv_heads": "attention heads of keys and values (fewer than `heads` under grouped-query "
+    "attention: split them only as far as they divide)",
+    "head_dim": "features inside one attention head",
+    "mlp": "the MLP's hidden units (up projection's output, down projection's input)",
+    "layers": "stacked layers of a scanned or pipelined model",
+    "experts": "experts of a mixture-of-experts layer",
+    "groups": "token groups routed to experts together",
+    "rounds": "virtual-stage rounds of an interleaved pipeline",
+}
+"""The logical axis names the book's rule sets give rules for, and what each names. Annotate
+a model with these (or let `nnxscale.naming.propose` suggest them) and every rule set of the
+book places it; names outside this list need a rule of their own."""
+
+
+def strategy_mesh(rules: Rules, devices: int | None = None, *, explicit: bool = False) -> Mesh:
+    """The mesh that a rule set is meant for (its `axes` and `sizes`), with Auto axes unless
+    `explicit` (`nnxscale.mesh.AXIS_TYPES` says which a model needs).
+
+    It spans the first `devices` devices (all by default). With an odd count and TP's
+    `model` of size 2, `model` has one device: tensor parallelism then splits nothing.
+    """
+    available = jax.device_count()
+    if devices is not None and not 1 <= devices <= available:
+        raise ValueError(
+            f"a mesh of {devices} devices was asked for and JAX has {available}: pass at most "
+            f"{available}, or emulate more (NNXSCALE_DEVICES={devices}) and restart."
+        )
+    pool = jax.devices()[: devices or available]
+    return make_mesh(rules.mesh_shape(len(pool)), rules.axes, explicit=explicit, devices=pool)

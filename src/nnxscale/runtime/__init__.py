@@ -1,0 +1,1 @@
+"""The runtime: versions, events, processes (`launch`) and emulated devices."""
