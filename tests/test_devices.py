@@ -21,7 +21,8 @@ def test_emulates_the_requested_count_before_jax_starts() -> None:
 
 def test_works_when_jax_is_imported_but_not_started() -> None:
     out = run_python(
-        f"import jax; from nnxscale.runtime.devices import emulate_devices; emulate_devices(3); {REPORT}"
+        "import jax; from nnxscale.runtime.devices import emulate_devices; "
+        f"emulate_devices(3); {REPORT}"
     )
     assert out.returncodes == [0], out.text
     assert out.output[-1].split() == ["3", "cpu"]

@@ -41,8 +41,8 @@ from sphinx.errors import ExtensionError
 from sphinx.util import logging
 from sphinx.util.docutils import SphinxDirective
 
-from nnxscale.runtime.launch import run
 from nnxscale.core.show import BOOK_BUILD_ENV
+from nnxscale.runtime.launch import run
 
 CHAPTERS = "chapters/"
 STATUS_PAGE = "book/status"

@@ -29,7 +29,7 @@ from nnxscale.costs.planner import plan
 from nnxscale.model import context, losses, moe, params
 from nnxscale.model.transformer import TINY, Config, Transformer, create
 from nnxscale.parallelism import fsdp, pipeline, schedules
-from nnxscale.placement import init, layout, mesh, naming, rounds, rules
+from nnxscale.placement import compiling, init, layout, mesh, naming, rounds, rules
 from nnxscale.placement.init import abstract, init_sharded, shard
 from nnxscale.placement.layout import resolve
 from nnxscale.placement.mesh import make_mesh
@@ -108,7 +108,7 @@ __all__ = [
 ]
 
 MODULES = (
-    activations, agree, calculator, checkpoint, cli, comm, context, costs, data, devices,
+    activations, agree, calculator, checkpoint, cli, comm, compiling, context, costs, data, devices,
     environment, events, figures, formula, fsdp, hlo, init, integrity, launch, layout, losses,
     machine, memory, mesh, model, moe, multi, naming, overlap, params, pipeline, planner, profiles,
     program, rounds, rules, schedules, show, train, trees,

@@ -1,4 +1,4 @@
-"""Checkpoints: Orbax saves and restores onto any mesh, records, integrity and multi-process saves."""
+"""Checkpoints: Orbax saves restored onto any mesh, their records, integrity, many processes."""
 
 from nnxscale.checkpoint.integrity import checksums
 from nnxscale.checkpoint.store import (

@@ -1,4 +1,4 @@
-"""Costs: formulas for every strategy's memory, communication and time, the planner and the calculator."""
+"""Costs: every strategy's memory, traffic and time as formulas; the planner; the calculator."""
 
 from nnxscale.costs.model import (
     DTYPE_BYTES,

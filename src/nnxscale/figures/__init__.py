@@ -39,7 +39,7 @@ from nnxscale.model.transformer import Config, create
 from nnxscale.placement.init import InitPrograms, abstract
 from nnxscale.placement.layout import resolve
 from nnxscale.placement.rules import FSDP, TP, strategy_mesh
-from nnxscale.train.trainer import role_bytes
+from nnxscale.train.step import role_bytes
 
 __all__ = [
     "FSDP",

@@ -41,7 +41,7 @@ from nnxscale.placement.layout import Layout, ReplicationWarning, resolve
 from nnxscale.placement.rules import FSDP, TP, Rules, strategy_mesh
 from nnxscale.profiling.profiles import Placed, Timed, attainable, ridge
 from nnxscale.runtime.events import Start
-from nnxscale.train.trainer import ROLE_NAMES, role_bytes
+from nnxscale.train.step import ROLE_NAMES, role_bytes
 
 SUM = "Σ"
 """The label of a block that holds a sum over every device's block."""

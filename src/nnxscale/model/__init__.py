@@ -1,4 +1,4 @@
-"""The book's Transformer, its attention kernels (`context`), mixture layer (`moe`), losses and `Params`."""
+"""The book's Transformer; its ring attention (`context`), mixture (`moe`), losses, `Params`."""
 
 from nnxscale.model.losses import cross_entropy
 from nnxscale.model.transformer import (

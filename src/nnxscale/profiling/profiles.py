@@ -43,8 +43,8 @@ options it knows (`step_options`)."""
 def step_options(device: jax.Device) -> dict[str, Any]:
     """Compiler options for a step to be profiled on `device`: XLA's own optimisations
     (`nnxscale.devices.OPTIMIZED`), and those of `OP_TRACING` for its backend that it knows."""
+    from nnxscale.placement.compiling import accepts
     from nnxscale.runtime.devices import OPTIMIZED
-    from nnxscale.train.trainer import accepts
 
     prefix = "xla_cpu_" if device.platform == "cpu" else "xla_gpu_"
     mine = {k: v for k, v in OP_TRACING.items() if k.startswith(prefix)}

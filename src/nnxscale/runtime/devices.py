@@ -70,8 +70,8 @@ def native_devices() -> tuple[int, str, str]:
     if done.returncode != 0:
         raise RuntimeError(
             f"JAX could not start on its own devices ({DEVICES_ENV}={NATIVE}):\n"
-            f"{(done.stdout + done.stderr)[-2000:]}\nSet {DEVICES_ENV} to a count, such as 8, to emulate CPU "
-            "devices instead."
+            f"{(done.stdout + done.stderr)[-2000:]}\nSet {DEVICES_ENV} to a count, such as 8, "
+            "to emulate CPU devices instead."
         )
     found = next(line for line in done.stdout.splitlines() if line.startswith("found "))
     _, count, platform, name = found.split()

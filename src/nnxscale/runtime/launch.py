@@ -274,9 +274,8 @@ def start(
         prefix = f"[process {index}] " if processes > 1 else ""
 
         def read(stream=worker.stdout, prefix=prefix, index=index) -> None:
-            from nnxscale.runtime import (
-                events,
-            )  # here: the worker's wrapper imports only the stdlib
+            # imported here: the worker's wrapper imports only the stdlib
+            from nnxscale.runtime import events
 
             with stream:
                 for line in stream:

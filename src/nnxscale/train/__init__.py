@@ -2,47 +2,47 @@
 
 from nnxscale.model.losses import next_token_loss
 from nnxscale.model.transformer import TINY, Config
+from nnxscale.placement.compiling import accepts, traced, two_at_a_time
 from nnxscale.runtime.devices import FAST_COMPILE, OPTIMIZED
-from nnxscale.train.trainer import (
-    EMA,
-    LEARNING_RATE,
-    NONFINITE,
-    ROLE_NAMES,
-    NonFiniteError,
-    StateLostError,
-    Trainer,
-    TrainOptions,
-    TrainState,
-    accepts,
-    adamw,
-    all_finite,
+from nnxscale.train.checks import (
     batch_kind,
     check_axis_type,
     check_batch,
     check_loss,
-    check_model,
-    check_optimizer,
     check_same_kind,
     check_tokens,
-    compile_all,
+)
+from nnxscale.train.state import (
+    EMA,
+    LEARNING_RATE,
+    NONFINITE,
+    NonFiniteError,
+    StateLostError,
+    TrainOptions,
+    TrainState,
+    adamw,
+    check_model,
+    check_optimizer,
     config_record,
+    model_config,
+    params_by_path,
+)
+from nnxscale.train.step import (
+    ROLE_NAMES,
+    all_finite,
     eval_loss,
     gradient_shardings,
     loss_and_grads,
     mean_loss,
-    model_config,
-    params_by_path,
     role_bytes,
     split_micro_batches,
     step_grads_fn,
     summed_over_micro_batches,
-    traced,
     train_step,
-    trainer_for,
     trial_update,
-    two_at_a_time,
     unreduced_grads,
 )
+from nnxscale.train.trainer import Trainer, compile_all, trainer_for
 
 __all__ = [
     "EMA",

@@ -1,0 +1,302 @@
+"""The train state (model, optimizer, EMA, dropout RNG) and what builds it: the optimizer and
+its checks, the options, the run's identity and the record of its configuration."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import uuid
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from nnxscale.model.losses import GradsFn, LossFn
+
+
+class EMA(nnx.Variable):
+    """An exponential moving average of a parameter, annotated with the parameter's names."""
+
+
+def params_by_path(model: nnx.Module) -> dict[str, nnx.Variable]:
+    """The model's parameters keyed by their `/`-joined paths (the EMA's keys)."""
+    return {
+        "/".join(str(k) for k in path): variable
+        for path, variable in nnx.to_flat_state(nnx.state(model, nnx.Param))
+    }
+
+
+class TrainState(nnx.Module):
+    """Model, optimizer, EMA of the parameters (started at the parameters) and dropout RNG."""
+
+    def __init__(
+        self,
+        model: nnx.Module,
+        tx: optax.GradientTransformation,
+        *,
+        seed: int = 0,
+        ema_decay: float = 0.9,
+    ) -> None:
+        check_model(model)
+        with nnx.use_eager_sharding(False):  # rule sets, not Flax, decide where arrays go
+            self.model = model
+            self.optimizer = nnx.Optimizer(self.model, tx, wrt=nnx.Param)
+            self.ema = nnx.Dict(
+                {
+                    path: EMA(jnp.array(p[...], copy=True), **_names(p))
+                    for path, p in params_by_path(self.model).items()
+                }
+            )
+            self.ema_decay = ema_decay
+            self.rngs = nnx.Rngs(dropout=seed + 1)
+
+    def ema_model(self) -> nnx.Module:
+        """A copy of the model holding the EMA weights."""
+        model = nnx.clone(self.model)
+        for path, param in params_by_path(model).items():
+            param[...] = self.ema[path][...]
+        return model
+
+
+def _names(param: nnx.Variable) -> dict[str, Any]:
+    """The parameter's logical names (and Flax rules) as metadata for its EMA, if it has any."""
+    metadata = param.get_metadata()
+    return {k: metadata[k] for k in ("out_sharding", "sharding_rules") if metadata.get(k)}
+
+
+def check_model(model: object) -> None:
+    """Raise a clear error unless `model` is an NNX module with parameters to train."""
+    if not isinstance(model, nnx.Module):
+        what = type(model).__name__
+        raise TypeError(
+            f"expected an NNX module (flax.nnx.Module) to train, got a {what}. Wrap a pytree "
+            "of arrays in a module whose weights are nnx.Param, or pass a function that "
+            "creates the module."
+        )
+    if not jax.tree.leaves(nnx.state(model, nnx.Param)):
+        raise ValueError(
+            f"{type(model).__name__} has no nnx.Param: the optimizer trains nnx.Param "
+            "variables only. Declare its weights as nnx.Param(...)."
+        )
+
+
+def check_optimizer(tx: optax.GradientTransformation) -> None:
+    """Raise a clear error when `tx`'s first update of a weight with gradient 1 is not finite,
+    or not a descent (a NaN, infinite or negative learning rate): checked once, on one number,
+    before a step could write such an update into every weight."""
+    if not isinstance(tx, optax.GradientTransformation):
+        raise TypeError(
+            f"expected an optax optimizer (optax.GradientTransformation), got {tx!r}: pass one "
+            "such as nx.adamw() or optax.adamw(3e-3)."
+        )
+    weight, grad = {"w": jnp.zeros((), jnp.float32)}, {"w": jnp.ones((), jnp.float32)}
+    update = float(tx.update(grad, tx.init(weight), weight)[0]["w"])
+    if not math.isfinite(update) or update > 0:
+        raise ValueError(
+            f"the optimizer's first update of a weight whose gradient is 1 is {update}: "
+            "with a finite learning rate of 0 or more it would be a finite step down. Check "
+            "the learning rate (and schedule) the optimizer was built with."
+        )
+
+
+LEARNING_RATE = 3e-3
+"""The chapters' learning rate: one AdamW step moves a weight by about this much."""
+
+
+def adamw(
+    learning_rate: float = LEARNING_RATE, weight_decay: float = 1e-4
+) -> optax.GradientTransformation:
+    """The optimizer the chapters train with: AdamW with a small weight decay."""
+    for name, value in (("learning_rate", learning_rate), ("weight_decay", weight_decay)):
+        if not (isinstance(value, int | float) and math.isfinite(value) and value >= 0):
+            raise ValueError(
+                f"{name}={value!r}: it scales every update, so it must be a finite number, 0 "
+                "or more (a NaN or infinite one would make every weight NaN)."
+            )
+    return optax.adamw(learning_rate, weight_decay=weight_decay)
+
+
+def model_config(model: nnx.Module) -> dict[str, Any] | None:
+    """A JSON-able record of how `model` was configured: its `cfg` dataclass, if it has one."""
+    cfg = getattr(model, "cfg", None)
+    return config_record(cfg) if dataclasses.is_dataclass(cfg) else None
+
+
+NONFINITE = ("skip", "raise")
+"""The policies for a step whose loss, a gradient or an update is not finite
+(`TrainOptions.nonfinite`)."""
+
+
+def new_run() -> str:
+    """A new run's identity, the same in every process of a distributed run (process 0's)."""
+    ident = np.frombuffer(uuid.uuid4().bytes, dtype=np.uint32)
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        ident = np.asarray(multihost_utils.broadcast_one_to_all(ident))
+    return ident.astype(np.uint32).tobytes().hex()
+
+
+class StateLostError(RuntimeError):
+    """The train state was consumed by a step that failed while running."""
+
+    @classmethod
+    def after(cls, failure: str) -> StateLostError:
+        """The error for `failure`, naming what is lost and how to go on."""
+        return cls(
+            f"{failure}, after the train state had been handed to it (donated, so that the "
+            "step updates it in place): the state's arrays are gone. Restore the newest "
+            "checkpoint into this trainer (Checkpoints(directory).restore_into(trainer)) "
+            "and train on; the batches are validated before a step starts, so what fails "
+            "here is the program itself (a callback, memory)."
+        )
+
+
+class NonFiniteError(FloatingPointError):
+    """A step's loss or gradients were not finite, under `nonfinite="raise"`."""
+
+    @classmethod
+    def at(cls, step: int) -> NonFiniteError:
+        """The error for step `step`, saying what the step left unchanged and where to look."""
+        return cls(
+            f"step {step}: the loss, a gradient or the optimizer's update was not finite (NaN "
+            "or infinite), so the step did not change the weights, optimizer moments or "
+            "EMA; only its counter moved past the batch. Look for NaN, infinite or huge "
+            "values in that batch, or an optimizer setting that divides by zero or a "
+            "schedule that is not finite at this step; "
+            'TrainOptions(nonfinite="skip") skips such steps and goes on.'
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainOptions:
+    """How a trainer trains, listed once: `Trainer.create`, `Trainer.from_layout` and
+    `Checkpoints.restore` take these unchanged, so a restored run compiles the saved run's step.
+
+    `loss_fn(model, batch, rngs)` is the loss (default: the book's next-token loss);
+    `grads_fn` replaces the whole loss-and-gradient computation (`nnxscale.fsdp`,
+    `nnxscale.pipeline`). `compiler_options` go to XLA when the step and the evaluations compile;
+    `activations=False` leaves the model's activations to the compiler (no constraints).
+    """
+
+    loss_fn: LossFn | None = None
+    grads_fn: GradsFn | None = None
+    micro_batches: int = 1
+    dropout: bool = True
+    seed: int = 0
+    ema_decay: float = 0.9
+    compiler_options: Mapping[str, Any] | None = None
+    activations: bool = True
+    nonfinite: str = "skip"
+    """What `Trainer.train` does after a step whose loss, a gradient or an update was not
+    finite (the step never applies such an update): "skip" lists it in `Trainer.skipped` and
+    goes on, "raise" raises NonFiniteError."""
+
+    def __post_init__(self) -> None:
+        kinds = {"seed": int, "dropout": bool, "activations": bool, "ema_decay": int | float}
+        for name, kind in kinds.items():
+            value = getattr(self, name)
+            if not isinstance(value, kind) or (kind is not bool and isinstance(value, bool)):
+                raise TypeError(f"{name}={value!r}: expected {getattr(kind, '__name__', kind)}")
+        for name in ("loss_fn", "grads_fn"):
+            if getattr(self, name) is not None and not callable(getattr(self, name)):
+                raise TypeError(f"{name}={getattr(self, name)!r}: expected a function, or None")
+        if self.nonfinite not in NONFINITE:
+            raise ValueError(
+                f"nonfinite={self.nonfinite!r}: choose {' or '.join(map(repr, NONFINITE))}."
+            )
+        if self.loss_fn is not None and self.grads_fn is not None:
+            raise ValueError(
+                "pass loss_fn or grads_fn, not both: grads_fn computes the loss itself (wrap "
+                "your loss in it), loss_fn is differentiated by the library's loss_and_grads."
+            )
+        if (
+            isinstance(self.micro_batches, bool)
+            or not isinstance(self.micro_batches, int)
+            or self.micro_batches < 1
+        ):
+            raise ValueError(
+                f"micro_batches={self.micro_batches!r}: the step cuts each batch into this "
+                "many slices, so it must be a whole number of at least 1."
+            )
+        if not 0 <= self.ema_decay < 1:
+            raise ValueError(
+                f"ema_decay={self.ema_decay!r}: the EMA keeps this share of itself each step, "
+                "so it must lie in [0, 1) (0.9 to 0.9999 are usual)."
+            )
+
+    def replace(self, **changes: Any) -> TrainOptions:
+        """These options with `changes`; an unknown name is refused with the known ones."""
+        known = {field.name for field in dataclasses.fields(self)}
+        unknown = sorted(set(changes) - known)
+        if unknown:
+            raise TypeError(f"unknown training options {unknown}: the options are {sorted(known)}")
+        return dataclasses.replace(self, **changes) if changes else self
+
+    def recorded(self) -> dict[str, Any]:
+        """What a checkpoint keeps of these options: the values, and the functions' names."""
+        record = {
+            name: getattr(self, name)
+            for name in ("micro_batches", "dropout", "activations", "compiler_options", "nonfinite")
+        }
+        record["compiler_options"] = dict(self.compiler_options or {}) or None
+        for name in ("loss_fn", "grads_fn"):
+            fn = getattr(self, name)
+            record[name] = None if fn is None else getattr(fn, "__qualname__", type(fn).__name__)
+        return record
+
+    @classmethod
+    def from_record(cls, record: dict[str, Any]) -> TrainOptions:
+        """The options a checkpoint recorded, without the functions (they are not recorded)."""
+        return cls(**{k: v for k, v in record.items() if k not in ("loss_fn", "grads_fn")})
+
+
+def config_record(config: object) -> dict[str, Any] | None:
+    """The JSON-able record of a model configuration that checkpoints keep: a dict as it is,
+    a dataclass as its fields (dtypes by name), or what its `to_config()` method returns; a
+    restore hands this record to the function that rebuilds the model (its `from_config`)."""
+    if config is None:
+        return None
+    if hasattr(config, "to_config"):
+        record = config.to_config()
+    elif dataclasses.is_dataclass(config) and not isinstance(config, type):
+        record = {f.name: _jsonable(getattr(config, f.name)) for f in dataclasses.fields(config)}
+    else:
+        record = _jsonable(config)
+    try:
+        json.loads(json.dumps(record))
+    except (TypeError, ValueError) as error:
+        raise TypeError(
+            f"the model configuration {config!r} cannot be written as JSON ({error}), and "
+            "checkpoints keep it: pass config= a dict of numbers, strings, lists and dicts, "
+            "or a dataclass of them, or give the configuration a to_config() method that "
+            "returns such a dict (and rebuild the model from that dict when restoring)."
+        ) from None
+    if not isinstance(record, dict):
+        raise TypeError(f"config={config!r}: expected a dict or a dataclass of settings")
+    return record
+
+
+def _jsonable(value: Any) -> Any:
+    """`value` with dtypes and scalar types (np.float32, jnp.bfloat16) as their names, NumPy
+    scalars as numbers, tuples as lists and nested dataclasses as dicts: a restore hands the
+    factory these JSON values, so it turns names back into types itself."""
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, np.dtype | type) or hasattr(value, "dtype"):
+        try:
+            return np.dtype(value).name
+        except TypeError:
+            return value
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: _jsonable(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, list | tuple):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _jsonable(v) for k, v in value.items()}
+    return value
