@@ -27,7 +27,8 @@ import jax
 from jax.sharding import Mesh
 
 from nnxscale import cli
-from nnxscale.checkpoint import Checkpoints, checksums
+from nnxscale.checkpoint import Checkpoints
+from nnxscale.checkpoint.integrity import checksums
 from nnxscale.model import BENCH, TINY, Config, Transformer, create
 from nnxscale.placement.rules import FSDP, TP, Rules, strategy_mesh
 from nnxscale.runtime.devices import emulate_devices

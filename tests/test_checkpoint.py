@@ -23,13 +23,12 @@ from nnxscale.checkpoint import (
     CorruptCheckpointError,
     NoCheckpointError,
     check_matches,
-    checksums,
     chunks_read,
     file_role,
     record_from,
     sealed,
 )
-from nnxscale.checkpoint.integrity import seal
+from nnxscale.checkpoint.integrity import checksums, seal
 from nnxscale.model import TINY, Config, Transformer, create
 from nnxscale.model.losses import next_token_loss
 from nnxscale.parallelism.schedules import interleaved

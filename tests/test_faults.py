@@ -27,9 +27,8 @@ from nnxscale.checkpoint import (
     CorruptCheckpointError,
     SaveError,
     SkippedCheckpointWarning,
-    checksums,
 )
-from nnxscale.checkpoint.integrity import LOCK_FILE, DirectoryLockedError
+from nnxscale.checkpoint.integrity import LOCK_FILE, DirectoryLockedError, checksums
 from nnxscale.model import TINY, Transformer, create
 from nnxscale.placement.rules import DP, strategy_mesh
 from nnxscale.runtime.devices import requested_devices

@@ -60,7 +60,8 @@ from nnxscale.runtime.devices import emulate_devices
 from nnxscale.train import agree, data
 from nnxscale.train.agree import agreement
 from nnxscale.train.data import Batches, book_batches
-from nnxscale.train.trainer import Trainer, TrainOptions, adamw, trainer_for
+from nnxscale.train.state import TrainOptions, adamw
+from nnxscale.train.trainer import Trainer, trainer_for
 
 __version__ = "0.1.0"
 

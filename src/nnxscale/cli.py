@@ -35,7 +35,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from nnxscale.checkpoint.store import PARTIAL, Checkpoints, checksums
+from nnxscale.checkpoint.integrity import checksums
+from nnxscale.checkpoint.records import PARTIAL
+from nnxscale.checkpoint.store import Checkpoints
 from nnxscale.model.transformer import TINY, Transformer, create
 from nnxscale.placement.mesh import make_mesh
 from nnxscale.placement.rules import RULE_SETS, strategy_mesh
@@ -43,7 +45,8 @@ from nnxscale.runtime import events, launch
 from nnxscale.runtime.devices import emulate_devices
 from nnxscale.runtime.launch import COORDINATOR, initialize
 from nnxscale.train.data import book_batches
-from nnxscale.train.trainer import Trainer, TrainOptions, adamw
+from nnxscale.train.state import TrainOptions, adamw
+from nnxscale.train.trainer import Trainer
 
 PROGRAM = (sys.executable, "-m", "nnxscale")
 """The command line that starts the library's programs (`nnxscale.__main__`)."""

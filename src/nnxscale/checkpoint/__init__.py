@@ -1,39 +1,40 @@
 """Checkpoints: Orbax saves restored onto any mesh, their records, integrity, many processes."""
 
 from nnxscale.checkpoint.integrity import checksums
-from nnxscale.checkpoint.store import (
+from nnxscale.checkpoint.records import (
     FALL_BACK,
     FILE_ROLES,
-    MONITORING_TOOL,
     PARTIAL,
     CheckpointError,
     CheckpointMismatchError,
-    Checkpoints,
     CorruptCheckpointError,
     NoCheckpointError,
     Record,
     SaveError,
-    SaveTimes,
     SkippedCheckpointWarning,
     array_index,
     check_data,
     check_matches,
-    check_target,
-    chunks_read,
     file_role,
-    finish_at_program_end,
-    held_in,
-    orbax_manager,
     record_from,
     record_of,
-    restore_target,
     restored_options,
     sealed,
+)
+from nnxscale.checkpoint.restoring import (
+    check_target,
+    chunks_read,
+    restore_target,
     state_to_restore,
 )
-from nnxscale.model.transformer import Config
-from nnxscale.placement.rules import Rules
-from nnxscale.train.trainer import Trainer
+from nnxscale.checkpoint.store import (
+    MONITORING_TOOL,
+    Checkpoints,
+    SaveTimes,
+    finish_at_program_end,
+    orbax_manager,
+)
+from nnxscale.placement.rounds import held_in
 
 __all__ = [
     "FALL_BACK",
@@ -43,15 +44,12 @@ __all__ = [
     "CheckpointError",
     "CheckpointMismatchError",
     "Checkpoints",
-    "Config",
     "CorruptCheckpointError",
     "NoCheckpointError",
     "Record",
-    "Rules",
     "SaveError",
     "SaveTimes",
     "SkippedCheckpointWarning",
-    "Trainer",
     "array_index",
     "check_data",
     "check_matches",

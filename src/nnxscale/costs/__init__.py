@@ -1,48 +1,40 @@
 """Costs: every strategy's memory, traffic and time as formulas; the planner; the calculator."""
 
-from nnxscale.costs.model import (
+from nnxscale.costs.arrays import OVERLAPS, PARAMETER_PRIMES, Transfer
+from nnxscale.costs.counts import (
     DTYPE_BYTES,
-    EFFICIENCY,
-    HARDWARE,
-    LEDGER_PARTS,
     LOGIT_BYTES,
-    MARGIN,
     OPTIMIZER_COPIES,
-    OVERLAPS,
-    PARAMETER_PRIMES,
     SEVEN_B,
     SEVENTY_B,
     SIZES,
     STATE_BYTES,
-    TIME_BAND,
-    Collective,
-    Costs,
     Counts,
-    Hardware,
     Product,
     Setup,
-    StepCost,
-    Transfer,
     activation_bytes,
-    collective_seconds,
     counts,
-    crossover,
-    derive,
-    hardware,
-    ledger,
-    link,
-    memory_phases,
     mixture_problem,
     model_sizes,
     products,
-    ring_hop_tokens,
     sizes_of,
-    step_cost,
     step_flops,
-    unpriced,
-    unsuitable,
 )
-from nnxscale.model.transformer import Config
+from nnxscale.costs.derive import Costs, derive, unpriced, unsuitable
+from nnxscale.costs.hardware import EFFICIENCY, HARDWARE, MARGIN, Hardware, hardware
+from nnxscale.costs.steps import (
+    LEDGER_PARTS,
+    TIME_BAND,
+    Collective,
+    StepCost,
+    collective_seconds,
+    crossover,
+    ledger,
+    link,
+    memory_phases,
+    ring_hop_tokens,
+    step_cost,
+)
 
 __all__ = [
     "DTYPE_BYTES",
@@ -60,7 +52,6 @@ __all__ = [
     "STATE_BYTES",
     "TIME_BAND",
     "Collective",
-    "Config",
     "Costs",
     "Counts",
     "Hardware",

@@ -17,8 +17,10 @@ import math
 from importlib import resources
 from typing import Any
 
-from nnxscale.costs import model as costs
-from nnxscale.costs.model import OVERLAPS, Setup
+from nnxscale.costs.arrays import OVERLAPS
+from nnxscale.costs.counts import SEVEN_B, STATE_BYTES, Setup
+from nnxscale.costs.derive import derive, unpriced
+from nnxscale.costs.hardware import EFFICIENCY, HARDWARE
 from nnxscale.costs.planner import EXPERT_PLANNED, HEADROOM, PLANNED, REMATS
 from nnxscale.model.transformer import Config
 from nnxscale.placement.rules import STRATEGIES, Rules
@@ -69,32 +71,32 @@ def spec() -> dict[str, Any]:
     strategies = {}
     for name in PLANNED + EXPERT_PLANNED:
         rules = STRATEGIES[name]
-        pipeline = costs.derive(rules, DTYPE).stage_axis is not None
+        pipeline = derive(rules, DTYPE).stage_axis is not None
         strategies[name] = {
             "axes": list(rules.axes),
             "used": [a for a in rules.axes if a in rules.mesh_axes()],
-            "unpriced": costs.unpriced(rules, 1),
+            "unpriced": unpriced(rules, 1),
             "mlp": {
                 str(moe): {
-                    _remat_name(r): costs.derive(rules, DTYPE, r, moe).json()
+                    _remat_name(r): derive(rules, DTYPE, r, moe).json()
                     for r in ((False,) if pipeline else REMATS)
                 }
                 for moe in MLPS
-                if not costs.unpriced(rules, moe)
+                if not unpriced(rules, moe)
             },
         }
     return {
-        "hardware": [dataclasses.asdict(hw) for hw in costs.HARDWARE.values()],
+        "hardware": [dataclasses.asdict(hw) for hw in HARDWARE.values()],
         "strategies": strategies,
         "degrees": DEGREES,
         "overlaps": list(OVERLAPS),
         "constants": {
-            "EFFICIENCY": costs.EFFICIENCY,
+            "EFFICIENCY": EFFICIENCY,
             "HEADROOM": HEADROOM,
-            "STATE_BYTES": costs.STATE_BYTES,
+            "STATE_BYTES": STATE_BYTES,
         },
         "parameters": {
-            str(moe): costs.derive(STRATEGIES["DP"], DTYPE, False, moe).state["parameters"].json()
+            str(moe): derive(STRATEGIES["DP"], DTYPE, False, moe).state["parameters"].json()
             for moe in MLPS
         },
     }
@@ -127,7 +129,7 @@ class Calculator:
 
 
 def widget(
-    cfg: Config = costs.SEVEN_B,
+    cfg: Config = SEVEN_B,
     *,
     strategy: str = "FSDP",
     hardware: str = "H100",
@@ -160,7 +162,7 @@ def widget(
         number("seq", "sequence length (s)", cfg.max_len),
         number("batch", "global batch (sequences)", sequences),
         number("devices", "devices", devices),
-        choice("hardware", "hardware", list(costs.HARDWARE), hardware),
+        choice("hardware", "hardware", list(HARDWARE), hardware),
         choice("strategy", "strategy", list(PLANNED + EXPERT_PLANNED), strategy),
         number("tensor", "tensor width (model)", 2),
         number("stages", "pipeline stages", 2),

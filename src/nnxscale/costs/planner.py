@@ -16,17 +16,10 @@ import math
 from collections.abc import Iterable, Iterator
 
 from nnxscale.core.show import Markdown, table
-from nnxscale.costs.model import (
-    Hardware,
-    Setup,
-    StepCost,
-    derive,
-    hardware,
-    mixture_problem,
-    step_cost,
-    unpriced,
-    unsuitable,
-)
+from nnxscale.costs.counts import Setup, mixture_problem
+from nnxscale.costs.derive import derive, unpriced, unsuitable
+from nnxscale.costs.hardware import Hardware, hardware
+from nnxscale.costs.steps import StepCost, step_cost
 from nnxscale.model.transformer import Config
 from nnxscale.placement.rules import STRATEGIES, Rules
 

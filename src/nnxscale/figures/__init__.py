@@ -1,57 +1,38 @@
 """The book's figures, drawn from the library's own objects."""
 
-from nnxscale.costs.model import Setup
-from nnxscale.figures.plots import (
-    KIND_COLOURS,
-    SUM,
+from nnxscale.figures.checkpoints import plot_restore, plot_saves
+from nnxscale.figures.drawing import SUM, matrix_view
+from nnxscale.figures.layouts import (
     block_sources,
-    matrix_view,
-    plot_bubbles,
     plot_collectives,
-    plot_data_parallel,
-    plot_dispatch,
-    plot_fsdp_timeline,
     plot_init_memory,
     plot_layouts,
-    plot_ledger,
     plot_mesh,
     plot_on_mesh,
-    plot_profile,
-    plot_restore,
-    plot_ring,
     plot_ring_costs,
-    plot_roofline,
     plot_rule_sets,
-    plot_saves,
     plot_sharding,
     plot_shardings,
     plot_shares,
+    shard_blocks,
+)
+from nnxscale.figures.pipelines import plot_bubbles, plot_timeline, plot_timelines
+from nnxscale.figures.profiles import KIND_COLOURS, plot_profile, plot_roofline
+from nnxscale.figures.rings import plot_dispatch, plot_ring, plot_topology
+from nnxscale.figures.strategies import (
+    plot_data_parallel,
+    plot_fsdp_timeline,
+    plot_ledger,
     plot_strategy_costs,
     plot_temporaries,
     plot_tensor_parallel_mlp,
-    plot_timeline,
-    plot_timelines,
-    plot_topology,
     plot_zero_stages,
-    shard_blocks,
 )
-from nnxscale.model.transformer import Config, create
-from nnxscale.placement.init import InitPrograms, abstract
-from nnxscale.placement.layout import resolve
-from nnxscale.placement.rules import FSDP, TP, strategy_mesh
-from nnxscale.train.step import role_bytes
 
 __all__ = [
-    "FSDP",
     "KIND_COLOURS",
     "SUM",
-    "TP",
-    "Config",
-    "InitPrograms",
-    "Setup",
-    "abstract",
     "block_sources",
-    "create",
     "matrix_view",
     "plot_bubbles",
     "plot_collectives",
@@ -80,8 +61,5 @@ __all__ = [
     "plot_timelines",
     "plot_topology",
     "plot_zero_stages",
-    "resolve",
-    "role_bytes",
     "shard_blocks",
-    "strategy_mesh",
 ]

@@ -1,6 +1,5 @@
 """The book's Transformer; its ring attention (`context`), mixture (`moe`), losses, `Params`."""
 
-from nnxscale.model.losses import cross_entropy
 from nnxscale.model.transformer import (
     BENCH,
     CAST_WEIGHTS,
@@ -51,7 +50,6 @@ __all__ = [
     "compute_copy",
     "count_params",
     "create",
-    "cross_entropy",
     "group_layers",
     "layer_rounds",
     "plain_stack",

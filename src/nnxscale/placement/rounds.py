@@ -8,11 +8,16 @@ into the plain stack. Works on any model's state by logical names, not on the bo
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+
+from nnxscale.placement.layout import Layout, resolve
+from nnxscale.placement.mesh import constrain_to
 
 ROUNDS = "rounds"
 """The logical name of the leading dimension of stacked layers held in rounds: an array of
@@ -86,3 +91,23 @@ def layer_rounds(tree: Any) -> int:
             "stack); regroup them all with group_layers(tree, rounds)"
         )
     return found.pop() if found else 1
+
+
+def held_in(state: Any, rounds: int, layout: Layout) -> Any:
+    """`state` with its stacked layers held in `rounds` rounds (`group_layers`), laid out by
+    `layout`'s rules on its mesh: one program, compiled once per layout, in which the layers
+    move between devices once. (Its input is not donated: the arrays change shape, so XLA
+    could not reuse their buffers, and would warn.)"""
+    return _regrouping(rounds, layout)(state)
+
+
+@functools.lru_cache(maxsize=8)
+def _regrouping(rounds: int, layout: Layout) -> Callable[[Any], Any]:
+    """The jitted program of `held_in`."""
+
+    def regroup(state: Any) -> Any:
+        held = group_layers(state, rounds)
+        placed = resolve(held, layout.rules, layout.mesh).shardings()
+        return jax.tree.map(constrain_to, held, placed)
+
+    return jax.jit(regroup)

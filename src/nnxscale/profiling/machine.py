@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from nnxscale.costs.model import Hardware
+from nnxscale.costs.hardware import Hardware
 
 
 def optimized(fn: Callable[..., jax.Array], *args: jax.Array) -> Callable[[], jax.Array]:

@@ -31,7 +31,7 @@ import jax
 
 from nnxscale.analysis.hlo import gemm_flops, shape_bytes
 from nnxscale.analysis.program import Instruction, Program
-from nnxscale.costs.model import Hardware
+from nnxscale.costs.hardware import Hardware
 
 OP_TRACING = {"xla_cpu_enable_xprof_traceme": True, "xla_gpu_enable_command_buffer": ""}
 """Compiler options under which a profile names each HLO op: the CPU backend records them

@@ -1,7 +1,6 @@
 """Training: the jitted, donating step, its options, state and `Trainer`; data; agreement."""
 
 from nnxscale.model.losses import next_token_loss
-from nnxscale.model.transformer import TINY, Config
 from nnxscale.placement.compiling import accepts, traced, two_at_a_time
 from nnxscale.runtime.devices import FAST_COMPILE, OPTIMIZED
 from nnxscale.train.checks import (
@@ -51,8 +50,6 @@ __all__ = [
     "NONFINITE",
     "OPTIMIZED",
     "ROLE_NAMES",
-    "TINY",
-    "Config",
     "NonFiniteError",
     "StateLostError",
     "TrainOptions",

@@ -1,0 +1,251 @@
+"""Restoring onto any mesh and rule set: the abstract target a step is read into, each
+device reading its shards, verified by checksums; `Restorer` falls back to the newest step
+that verifies."""
+
+from __future__ import annotations
+
+import itertools
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+import jax
+import optax
+import orbax.checkpoint as ocp
+from flax import nnx
+from jax.sharding import Mesh
+
+from nnxscale.checkpoint.integrity import (
+    SCHEME,
+    checksums,
+)
+from nnxscale.checkpoint.records import (
+    FALL_BACK,
+    CheckpointMismatchError,
+    CorruptCheckpointError,
+    Record,
+    SkippedCheckpointWarning,
+    Stored,
+    array_index,
+    check_data,
+    check_matches,
+    error_text,
+    listing,
+    restored_options,
+)
+from nnxscale.core.trees import shapes_of, stand_in
+from nnxscale.placement.init import abstract
+from nnxscale.placement.layout import Layout, resolve
+from nnxscale.placement.rounds import group_layers, held_in, layer_rounds
+from nnxscale.placement.rules import Rules
+from nnxscale.train.data import Batches
+from nnxscale.train.state import TrainOptions, TrainState, check_optimizer
+from nnxscale.train.trainer import Trainer
+
+T = TypeVar("T")
+
+
+def state_to_restore(
+    record: Record,
+    model: nnx.Module | Callable[[dict[str, Any] | None], nnx.Module],
+    tx: optax.GradientTransformation,
+) -> TrainState:
+    """The train state a checkpoint restores into, from `model` (a module, of which only the
+    shapes count, or a function of the recorded configuration) and `tx`."""
+    if isinstance(model, nnx.Module):  # abstract arrays become stand-ins while tracing
+        graphdef, values = nnx.split(model)
+        structure = nnx.merge(graphdef, jax.tree.map(stand_in, values))
+    else:
+        structure = model(record.config)
+    return TrainState(structure, tx, ema_decay=record.ema_decay)
+
+
+def check_target(model: object, rules: object, mesh: object) -> None:
+    """Raise a clear TypeError unless a restore is given a model, a rule set and a mesh."""
+    if not isinstance(model, nnx.Module) and not callable(model):
+        raise TypeError(
+            f"model: expected an NNX module or a function of the recorded configuration, got "
+            f"{model!r}; for the book's Transformer pass nx.Transformer.from_config."
+        )
+    if not isinstance(rules, Rules):
+        raise TypeError(f"rules: expected a rule set such as nx.FSDP, got {rules!r}")
+    if not isinstance(mesh, Mesh):
+        raise TypeError(f"mesh: expected a jax.sharding.Mesh (nx.strategy_mesh), got {mesh!r}")
+
+
+def restore_target(values: nnx.State, shardings: Any) -> nnx.State:
+    """Shapes, dtypes and concrete shardings to restore into: an abstract state, no memory."""
+    return jax.tree.map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), values, shardings
+    )
+
+
+def chunks_read(
+    chunk: Sequence[int], target: jax.Array | jax.ShapeDtypeStruct, device: int = 0
+) -> list[tuple[int, ...]]:
+    """The saved chunks a restore reads to fill `device`'s shard of `target`: their positions
+    in the grid of `chunk`-shaped chunks (`Checkpoints.chunks`), every one the shard overlaps.
+
+    A chunk is compressed as a whole, so it is read whole: a shard that cuts across the saved
+    chunks reads more bytes than it keeps, one that the chunks tile reads exactly its own.
+    """
+    shape = tuple(target.shape)
+    if len(chunk) != len(shape):
+        raise ValueError(f"chunk {tuple(chunk)} and array {shape} differ in dimensions")
+    blocks = {d.id: index for d, index in target.sharding.devices_indices_map(shape).items()}
+    if device not in blocks:
+        raise ValueError(f"device {device} holds no shard of the target: {sorted(blocks)} do")
+    spans = []
+    for part, dim, size in zip(blocks[device], shape, chunk, strict=True):
+        start, stop, _ = part.indices(dim)
+        spans.append(range(start // size, -(-stop // size)))
+    return list(itertools.product(*spans))
+
+
+class Restorer(Stored):
+    """Restores of a directory's steps onto any mesh and rule set, each verified by its
+    checksums, falling back to the newest step that verifies (`skipped` says why)."""
+
+    skipped: dict[int, str]
+
+    def restore_state(
+        self, values: nnx.State, layout: Layout, step: int | None = None
+    ) -> nnx.State:
+        """The saved state of `step`, for a state shaped like `values`, laid out by `layout`,
+        verified against the checksums saved with it: read as the plain stacks the checkpoint
+        holds (each device its shards), then held in the rounds `values` holds its layers in.
+        Raises CorruptCheckpointError for a step that does not hold what was saved, and
+        CheckpointMismatchError, naming the arrays, when `values` is shaped otherwise."""
+        record = self.record(step)
+        step = record.step
+        if record.checksum_scheme != SCHEME:
+            raise CheckpointMismatchError(
+                f"the checksums of step {step} were computed as {record.checksum_scheme!r}, "
+                f"and this nnxscale computes them as {SCHEME!r}: restore it with the nnxscale "
+                "that wrote it."
+            )
+        recorded = {p: (tuple(a[0]), a[1]) for p, a in (record.arrays or {}).items()}
+        try:
+            stored = self.saved_arrays(step)
+        except Exception as error:
+            raise CorruptCheckpointError(
+                f"the array metadata of step {step} (state/_METADATA) cannot be read "
+                f"({error_text(error)}): the step is damaged or incomplete. " + FALL_BACK
+            ) from error
+        if stored != recorded:
+            raise CorruptCheckpointError(
+                f"the array metadata of step {step} (state/_METADATA) disagrees with the arrays "
+                f"its record lists ({len(set(stored) ^ set(recorded))} paths differ, "
+                f"{sum(stored[p] != recorded[p] for p in set(stored) & set(recorded))} shapes "
+                "or dtypes): the step is damaged. " + FALL_BACK
+            )
+        shapes = shapes_of(values)
+        rounds, plain = layer_rounds(shapes), group_layers(shapes, 1)
+        check_matches(recorded, array_index(plain), f"checkpoint {step}")
+        read = layout if rounds == 1 else resolve(plain, layout.rules, layout.mesh)
+        target = restore_target(plain, read.shardings())
+        try:
+            state = self.manager.restore(
+                step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target))
+            )["state"]
+        except Exception as error:
+            raise CorruptCheckpointError(
+                f"the arrays of step {step} cannot be read ({error_text(error)}): a file of its "
+                "state/ is damaged or missing. " + FALL_BACK
+            ) from error
+        sums = checksums(state)
+        wrong = sorted(path for path, saved in record.arrays.items() if sums[path] != saved[2])
+        if wrong:
+            raise CorruptCheckpointError(
+                f"{len(wrong)} arrays of step {step} do not hold what was saved (their "
+                f"checksums differ): {listing(wrong)}. A file of the step is damaged: a "
+                "flipped bit, a truncated or replaced chunk. " + FALL_BACK
+            )
+        return state if rounds == 1 else held_in(state, rounds, layout)
+
+    def _newest_verified(self, step: int | None, restore: Callable[[int], T]) -> T:
+        """`restore(step)`; without a step, `restore` of the newest step that verifies, warning
+        of the newer ones it passed over and why (`skipped`)."""
+        if step is not None:
+            return restore(self._step(step))
+        self.skipped = {}
+        for candidate in reversed(self.steps() or [self._step(None)]):
+            try:
+                restored = restore(candidate)
+            except CorruptCheckpointError as error:
+                self.skipped[candidate] = str(error)
+                continue
+            if self.skipped:
+                reasons = "; ".join(f"step {s}: {why}" for s, why in self.skipped.items())
+                warnings.warn(
+                    f"restored step {candidate} of {self.directory}, passing over steps "
+                    f"{list(self.skipped)}, which do not verify. {reasons}",
+                    SkippedCheckpointWarning,
+                    stacklevel=3,
+                )
+            return restored
+        raise CorruptCheckpointError(
+            f"no checkpoint in {self.directory} verifies: "
+            + "; ".join(f"step {s}: {why}" for s, why in self.skipped.items())
+        )
+
+    def restore(
+        self,
+        model: nnx.Module | Callable[[dict[str, Any] | None], nnx.Module],
+        tx: optax.GradientTransformation,
+        rules: Rules,
+        mesh: Mesh,
+        options: TrainOptions | None = None,
+        *,
+        step: int | None = None,
+        data: Batches | None = None,
+        **changes: Any,
+    ) -> Trainer:
+        """A trainer resumed from the checkpoint of `step`, laid out by `rules` on `mesh`.
+
+        Without `step`, the newest checkpoint that verifies: newer ones that are damaged, or
+        copied in from another run, are passed over with a SkippedCheckpointWarning naming
+        them and why (also in `skipped`). `model` gives the model's structure: a module
+        (concrete or abstract, only its shapes are used) or a function that builds one from
+        the configuration the checkpoint recorded (`Transformer.from_config` for the book's).
+        `tx` must have the structure of the optimizer that saved it; the EMA decay comes from
+        the record. The training options are the saved run's (`Record.options`) unless
+        `options` are given, with `changes`; a `loss_fn` or `grads_fn` of the run's own must
+        be given again (functions are not recorded). With `data`, check that it is the data
+        the run was trained on, so training continues with the very next batch. Every device
+        reads only its shards, straight from the files; the resumed trainer continues the
+        saved run (`Trainer.run`).
+        """
+
+        check_optimizer(tx)
+        check_target(model, rules, mesh)
+
+        def restore_step(at: int) -> Trainer:
+            record = self.record(at)
+            if data is not None:
+                check_data(record, data)
+            trained = restored_options(record, options, changes)
+            graphdef, values = nnx.split(abstract(lambda: state_to_restore(record, model, tx)))
+            layout = resolve(values, rules, mesh)
+            state = self.restore_state(values, layout, at)
+            return Trainer.from_layout(
+                graphdef, state, layout, trained, config=record.config, run=record.run
+            )
+
+        return self._newest_verified(step, restore_step)
+
+    def restore_into(
+        self, trainer: Trainer, step: int | None = None, data: Batches | None = None
+    ) -> Trainer:
+        """Put the checkpoint of `step` (default: the newest that verifies) into `trainer`'s
+        state, in its layout; reuses its step, and continues the saved run."""
+
+        def restore_step(at: int) -> Trainer:
+            record = self.record(at)
+            if data is not None:
+                check_data(record, data)
+            trainer.state = self.restore_state(trainer.state, trainer.layout, at)
+            trainer.run = record.run or trainer.run
+            return trainer
+
+        return self._newest_verified(step, restore_step)

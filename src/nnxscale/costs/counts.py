@@ -1,0 +1,270 @@
+"""The model's sizes as the cost model counts them: parameters, products and FLOPs per step,
+activation bytes per token, the reference 7B and 70B models, and a strategy's `Setup`."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+
+from nnxscale.costs.formula import Formula
+from nnxscale.model.moe import capacity
+from nnxscale.model.transformer import Config, remat_policy
+from nnxscale.placement.rules import RuleError, Rules
+
+STATE_BYTES = 4
+"""Bytes per element of parameters, gradients and optimizer state: float32, as the Trainer
+keeps them whatever the compute dtype."""
+
+
+OPTIMIZER_COPIES = 3
+"""Optimizer state per parameter, in parameter-sized copies: AdamW's two moments and the EMA."""
+
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+"""Bytes per value of each compute dtype a `Config` may name."""
+
+
+LOGIT_BYTES = 4
+"""Bytes per logit: the model computes its logits, and the loss, in float32."""
+
+
+SIZES = {
+    "vocab": "vocab",
+    "embed": "embed",
+    "heads": "heads",
+    "head_dim": "head_dim",
+    "mlp": "mlp",
+    "length": "max_len",
+    "layers": "layers",
+    "experts": "experts",
+}
+"""The size each logical axis of a parameter has: the `Config` field of that name."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Counts:
+    """Parameter counts of the book's Transformer."""
+
+    total: int
+    matmul: int
+    """In matrix products: everything but the embedding tables (looked up) and the norms."""
+
+
+def counts(cfg: Config) -> Counts:
+    """Parameter counts of the Transformer `cfg` describes, by formula (a mixture of experts:
+    a router and `experts` MLPs in place of each MLP)."""
+    e, v = cfg.embed, cfg.vocab
+    attention = 4 * e * cfg.heads * cfg.head_dim
+    mlp = 2 * e * cfg.mlp
+    if cfg.experts:
+        mlp = cfg.experts * mlp + e * cfg.experts
+    layers = cfg.layers * (attention + mlp + 2 * e)
+    return Counts(
+        total=v * e + cfg.max_len * e + layers + e + e * v,
+        matmul=cfg.layers * (attention + mlp) + e * v,
+    )
+
+
+def activation_bytes(
+    cfg: Config,
+    sequences: float,
+    seq: int,
+    *,
+    model: int = 1,
+    remat: bool = False,
+    context: int = 1,
+    sequence_parallel: bool = False,
+    flash: bool = False,
+) -> float:
+    """The least a backward pass needs, by the textbook count: per layer and token the inputs
+    of its products and nonlinearities, 4E + 4HD + 2F + H s values (tensor-parallel parts
+    split over `model`; sequence parallelism splits the residual stream's 4E too; a `flash`
+    attention keeps no scores), plus the head's; with remat each layer's input and one layer
+    rebuilt. What a compiled program keeps lies above it: the ledger uses `Costs.activations`,
+    calibrated on autodiff, and chapter 12 compares the two."""
+    tokens = sequences * seq / context
+    width = DTYPE_BYTES[cfg.compute_dtype]
+    residual = 4 * cfg.embed / (model if sequence_parallel else 1)
+    scores = 0 if flash else cfg.heads * seq
+    values = residual + (4 * cfg.heads * cfg.head_dim + 2 * cfg.mlp + scores) / model
+    layer = tokens * values * width
+    head = tokens * (2 * cfg.embed * width + cfg.vocab / model * LOGIT_BYTES)
+    if remat:
+        stream = cfg.embed / (model if sequence_parallel else 1)
+        return cfg.layers * tokens * stream * width + layer + head
+    return cfg.layers * layer + head
+
+
+def step_flops(cfg: Config, sequences: float, seq: int, *, remat: bool | str = False) -> float:
+    """FLOPs of one training step's matrix products over all devices (`products`): for a dense
+    model 3 x the forward pass's, 6 x parameters x tokens plus attention's 12 L b s^2 H D."""
+    sizes = {**model_sizes(cfg, seq), "batch": sequences, "seq": seq}
+    return product_flops(remat_policy(remat), bool(cfg.experts))(sizes)
+
+
+def model_sizes(cfg: Config, seq: int) -> dict[str, float]:
+    """The model's sizes the formulas use, with the slots of each expert per group of `seq`
+    tokens (`capacity`) for a mixture of experts."""
+    sizes: dict[str, float] = {
+        name: getattr(cfg, name)
+        for name in ("vocab", "embed", "heads", "head_dim", "mlp", "layers", "max_len", "experts")
+    }
+    sizes["top_k"] = cfg.top_k
+    sizes["capacity"] = (
+        capacity(seq, cfg.experts, cfg.top_k, cfg.capacity_factor) if cfg.experts else 0
+    )
+    return sizes
+
+
+@dataclasses.dataclass(frozen=True)
+class Setup:
+    """One way to run a training step: a rule set, the size of each of its mesh axes, the
+    micro-batches a step's batch is cut into (gradient accumulation, or a pipeline's), and
+    the remat policy (`nnxscale.model.REMAT_POLICIES`)."""
+
+    rules: Rules
+    mesh: tuple[tuple[str, int], ...]
+    micro_batches: int = 1
+    remat: bool | str = False
+
+    @classmethod
+    def of(
+        cls,
+        rules: Rules,
+        mesh: Mapping[str, int],
+        micro_batches: int = 1,
+        remat: bool | str = False,
+    ) -> Setup:
+        """A setup from a mesh given as {axis: size}, in the rule set's axis order."""
+        unknown = sorted(set(mesh) - set(rules.axes))
+        if unknown:
+            raise RuleError(
+                f"mesh axes {unknown} are not axes of rule set {rules.name!r} {rules.axes}"
+            )
+        if any(int(s) != s or s < 1 for s in mesh.values()):
+            raise ValueError(f"mesh axis sizes must be positive integers, got {dict(mesh)}")
+        if int(micro_batches) != micro_batches or micro_batches < 1:
+            raise ValueError(f"micro_batches must be a positive integer, got {micro_batches}")
+        remat_policy(remat)
+        shape = tuple((a, int(mesh.get(a, 1))) for a in rules.axes)
+        return cls(rules, shape, int(micro_batches), remat)
+
+    @property
+    def sizes(self) -> dict[str, int]:
+        """{axis: size}."""
+        return dict(self.mesh)
+
+    @property
+    def devices(self) -> int:
+        """Devices the mesh spans."""
+        return math.prod(self.sizes.values())
+
+    def label(self) -> str:
+        """The rule set's name and the axes of more than one device, e.g. `FSDP+TP data 4 x
+        model 2`."""
+        axes = " x ".join(f"{a} {s}" for a, s in self.mesh if s > 1) or "one device"
+        return f"{self.rules.name} {axes}"
+
+    def describe(self) -> str:
+        """In words, e.g. `FSDP on data 8, 4 micro-batches, the dots policy`."""
+        axes = " x ".join(f"{a} {s}" for a, s in self.mesh if s > 1) or "one device"
+        micro = f"{self.micro_batches} micro-batch" + ("es" if self.micro_batches > 1 else "")
+        policy = remat_policy(self.remat)
+        remat = {None: "no remat", "full": "full remat"}.get(policy, f"the {policy} policy")
+        return f"{self.rules.name} on {axes}, {micro}, {remat}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Product:
+    """One kind of matrix product of the step: its forward FLOPs over all devices, the
+    products its backward pass makes of it (2: the input's gradient and the weight's; 1 where
+    only one operand is differentiated), and whether full remat and the `dots` policy compute
+    it again (`dots` keeps products with no batch dimensions; full remat keeps nothing, but
+    a layer's last product, whose output its backward pass does not read)."""
+
+    name: str
+    forward: Formula
+    backward: int
+    full: bool
+    dots: bool
+
+
+def products(moe: bool = False) -> tuple[Product, ...]:
+    """The step's matrix products, dense or with a mixture of experts in place of each MLP:
+    `experts` x `capacity` slots per group of `seq` tokens, filled by a one-hot dispatch
+    (whose backward pass differentiates the tokens alone) and summed back by the combine."""
+
+    def product(
+        name: str, sizes: str, flops: int, backward: int, full: bool, dots: bool
+    ) -> Product:
+        formula = Formula.product(sizes.split(), flops)
+        return Product(name, formula, backward, full, dots)
+
+    tokens = "layers batch seq"
+    attention = (
+        product("attention weights", f"{tokens} embed heads head_dim", 8, 2, True, False),
+        product("attention scores", f"{tokens} seq heads head_dim", 4, 2, True, True),
+    )
+    head = product("head", "batch seq embed vocab", 2, 2, False, False)
+    if not moe:
+        return (
+            *attention,
+            product("MLP up", f"{tokens} embed mlp", 2, 2, True, False),
+            product("MLP down", f"{tokens} embed mlp", 2, 2, False, False),
+            head,
+        )
+    slots = f"{tokens} experts capacity embed"
+    return (
+        *attention,
+        product("router", f"{tokens} embed experts", 2, 2, True, False),
+        product("dispatch", slots, 2, 1, True, True),
+        product("experts", "layers batch experts capacity embed mlp", 4, 2, True, True),
+        product("combine", slots, 2, 2, False, False),
+        head,
+    )
+
+
+def product_flops(remat: str | None, moe: bool = False) -> Formula:
+    """Matmul FLOPs of one step over all devices (`step_flops`), as a formula."""
+    total = Formula()
+    for p in products(moe):
+        again = (remat == "full" and p.full) or (remat == "dots" and p.dots)
+        total += p.forward * (1 + p.backward + again)
+    return total
+
+
+def sizes_of(cfg: Config, setup: Setup, batch: int, seq: int) -> dict[str, float]:
+    """The value of every size the formulas use: the model's, the step's and the mesh's."""
+    model = model_sizes(cfg, seq)
+    return {**model, "batch": batch, "seq": seq, "micro": setup.micro_batches, **setup.sizes}
+
+
+def mixture_problem(cfg: Config) -> str:
+    """What is wrong with `cfg`'s mixture of experts, or "" (a dense model has none)."""
+    if cfg.experts < 0:
+        return f"experts={cfg.experts}: use 0 for a dense MLP or a positive number of experts"
+    if cfg.experts and not 1 <= cfg.top_k <= cfg.experts:
+        return f"top_k={cfg.top_k} with {cfg.experts} experts: use 1 <= top_k <= {cfg.experts}"
+    if cfg.experts and not cfg.capacity_factor > 0:
+        return "the capacity factor must be positive"
+    return ""
+
+
+SEVEN_B = Config(
+    vocab=32000,
+    embed=4096,
+    heads=32,
+    head_dim=128,
+    mlp=16384,
+    layers=32,
+    max_len=4096,
+    dropout=0.0,
+    scan_layers=True,
+    compute_dtype="bfloat16",
+)
+"""A 6.7 B-parameter model of the book's architecture (GPT-3 6.7B's shape)."""
+
+
+SEVENTY_B = SEVEN_B.replace(embed=8192, heads=64, mlp=36864, layers=80)
+"""A 70 B-parameter model of the book's architecture."""

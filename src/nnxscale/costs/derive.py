@@ -1,0 +1,469 @@
+"""The cost model: what one training step holds, computes and sends on each device, and how
+long it takes.
+
+A strategy is a rule set and the size of each of its mesh axes (`Setup`). Everything the cost
+model says about it is derived from that rule set: the rule set is resolved against the
+abstract model on a mesh of size-1 axes (`jax.sharding.AbstractMesh`, no devices), which
+says which mesh axes split each dimension of each array; bytes per device, the weights a
+step gathers, the gradients it reduces and the activations it splits follow as `Formula`s in
+the model's sizes and the axes' sizes (`derive`). The activations are those JAX's autodiff
+keeps for the book's Transformer (`nnxscale.activations`), dense or with a mixture of experts
+in place of each MLP. The formulas are evaluated for any model, cluster and batch
+(`step_cost`), searched by the planner (`nnxscale.planner`), and written into the page for the
+calculator (`nnxscale.calculator`), which only evaluates them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Iterable
+
+from nnxscale.costs.activations import kept, mixture
+from nnxscale.costs.arrays import (
+    PlacedArray,
+    Transfer,
+    arrays_of,
+    ordered,
+    per_micro_batch,
+    split_by,
+    tensor_axes,
+    weight_transfers,
+)
+from nnxscale.costs.counts import (
+    DTYPE_BYTES,
+    LOGIT_BYTES,
+    OPTIMIZER_COPIES,
+    SIZES,
+    STATE_BYTES,
+    Setup,
+    mixture_problem,
+    product_flops,
+    products,
+    sizes_of,
+)
+from nnxscale.costs.formula import Formula
+from nnxscale.model.transformer import Config, remat_policy
+from nnxscale.placement.rules import Rules
+
+
+@dataclasses.dataclass(frozen=True)
+class Costs:
+    """The formulas of one rule set on the book's Transformer (`derive`): bytes per device of
+    each part of the state and of the step's working memory, matmul FLOPs per device, the
+    collectives, and the divisibility each split needs."""
+
+    rules: Rules
+    state: dict[str, Formula]
+    activations: Formula
+    weights: Formula
+    rebuilt: Formula
+    gradients: Formula
+    layer_gradients: Formula
+    """One layer's gradients as its backward pass makes them, before any reduction."""
+    head_gradients: Formula
+    """The output head's gradients, the first the backward pass makes."""
+    accumulator: Formula
+    head: Formula
+    transfers: tuple[Transfer, ...]
+    flops: Formula
+    splits: tuple[tuple[str, tuple[str, ...]], ...]
+    """(size, mesh axes) pairs: each size must be a multiple of the product of the axes."""
+    stage_axis: str | None
+    """The axis that splits the layers into a pipeline's stages, if any."""
+    batch_axes: tuple[str, ...] = ()
+    """The axes that split the batch's sequences."""
+    ring_axis: str | None = None
+    """The axis that splits every sequence into a ring attention's chunks, if any."""
+    forward_flops: Formula = dataclasses.field(default_factory=Formula)
+    """Matmul FLOPs of the forward pass per device (what FSDP's first gathers and ZeRO's
+    gather of updated parameters hide behind)."""
+    attention_flops: Formula = dataclasses.field(default_factory=Formula)
+    """Matmul FLOPs of attention's two products per device (what a ring's hops hide behind)."""
+
+    def json(self) -> dict[str, object]:
+        """Every formula and axis as JSON: what the calculator evaluates."""
+        out: dict[str, object] = {
+            f.name: getattr(self, f.name)
+            for f in dataclasses.fields(self)
+            if f.name not in ("rules", "state", "transfers", "splits")
+        }
+        out = {k: v.json() if isinstance(v, Formula) else v for k, v in out.items()}
+        out["state"] = {k: v.json() for k, v in self.state.items()}
+        out["transfers"] = [t.json() for t in self.transfers]
+        out["splits"] = [[size, list(axes)] for size, axes in self.splits]
+        out["batch_axes"] = list(self.batch_axes)
+        return out
+
+
+def _activation_transfers(
+    arrays: list[PlacedArray], rules: Rules, width: float, passes: int, moe: bool, rerun: bool
+) -> list[Transfer]:
+    """What moves activations between devices: tensor parallelism's all-reduces, expert
+    parallelism's all-to-alls (in each of `passes`) and ring attention's hops (their forward
+    again when remat rebuilds the layer: `rerun`)."""
+    found = _tensor_all_reduces(arrays, rules, width, passes)
+    if moe:
+        found += _expert_all_to_alls(rules, width, passes)
+    return found + _ring_hops(rules, width, rerun)
+
+
+_DERIVED: dict[tuple[str, str, object, int], Costs] = {}
+
+
+def derive(
+    rules: Rules, compute_dtype: str = "float32", remat: bool | str = False, moe: int = 0
+) -> Costs:
+    """The formulas of one training step of the book's Transformer under `rules`, in the
+    model's sizes, `batch` (sequences per step), `seq`, `micro` (micro-batches) and the size
+    of each mesh axis: derived from the layout `rules` give the abstract model (once per
+    rule set, dtype, remat policy and MLP: dense, or a mixture of experts as
+    `nnxscale.activations.mixture` says, whose formulas also use `experts`, `top_k` and
+    `capacity`)."""
+    why = unpriced(rules, moe)
+    if why:
+        raise ValueError(why)
+    key = (repr(rules), compute_dtype, remat_policy(remat), moe)
+    if key not in _DERIVED:
+        _DERIVED[key] = _derive(rules, compute_dtype, remat, moe)
+    return _DERIVED[key]
+
+
+def unpriced(rules: Rules, moe: int) -> str:
+    """Why the cost model has no formulas for `rules` on this model, or "": for a mixture of
+    experts, tensor, context and pipeline axes (what the compiled steps were checked
+    against is data, FSDP and expert parallelism)."""
+    if not moe:
+        return ""
+    arrays = arrays_of(rules, True)
+    tensor = any(tensor_axes(arrays, name, rules) for name in ("heads", "mlp", "vocab"))
+    if tensor or _context_axis(rules) is not None or _tensor_stage(arrays) is not None:
+        return (
+            f"rule set {rules.name!r} has tensor, context or pipeline axes, which the cost "
+            "model does not price for a mixture of experts: use data, FSDP and expert "
+            "parallelism (EP, FSDP+EP)"
+        )
+    return ""
+
+
+def _held(arrays: list[PlacedArray]) -> tuple[dict[str, Formula], Formula, Formula, tuple]:
+    """The train state per device (parameters, optimizer state), the gradients held, the
+    head's gradients, and every (size, axes) that splits a dimension of an array."""
+    state = {
+        "parameters": _total(a.per_device("params") for a in arrays),
+        "optimizer state": _total(a.per_device("optimizer") for a in arrays) * OPTIMIZER_COPIES,
+    }
+    # gradients are held as the optimizer state that reads them is split: XLA's partitioner
+    # splits a gradient only a split update reads, whatever the rule set says of `grads`
+    gradients = _total(a.per_device("optimizer") for a in arrays)
+    head_gradients = _total(a.per_device("optimizer") for a in arrays if a.path == "head")
+    splits = {
+        (SIZES[n], axes)
+        for a in arrays
+        for role in a.axes.values()
+        for n, axes in zip(a.names, role, strict=True)
+        if axes
+    }
+    return state, gradients, head_gradients, tuple(sorted(splits))
+
+
+def _kept(
+    rules: Rules, arrays: list[PlacedArray], compute_dtype: str, policy: str | None, moe: int
+) -> tuple[Formula, Formula, Formula]:
+    """Per device: the activations the backward pass reads, the compute copies of the
+    weights (when the compute dtype or a token axis needs them), and what remat rebuilds."""
+    ring = _context_axis(rules)
+    tokens = set(rules.token_axes(rules.axes))
+    k = kept(compute_dtype, policy or False, ring=ring is not None, moe=moe)
+    activations = per_micro_batch(
+        split_by(k.layer * "layers" + k.model, rules) + _local(k.local, rules)
+    )
+    copies = compute_dtype != "float32" or any(
+        tokens & {x for d in a.axes["params"] for x in d} for a in arrays
+    )
+    weights = Formula()
+    if copies:
+        weights = split_by(k.weights * "layers" + k.head_weights, rules, weights=True)
+    rebuilt = per_micro_batch(
+        split_by(k.rebuilt, rules) if ring is None else _local(k.rebuilt, rules)
+    )
+    if policy and copies:
+        rebuilt += split_by(kept(compute_dtype).weights, rules, weights=True)
+    return activations, weights, rebuilt
+
+
+def _derive(rules: Rules, compute_dtype: str, remat: bool | str, moe: int) -> Costs:
+    policy = remat_policy(remat)
+    width = DTYPE_BYTES[compute_dtype]
+    arrays = arrays_of(rules, bool(moe))
+    tokens = set(rules.token_axes(rules.axes))
+    state, gradients, head_gradients, splits = _held(arrays)
+    stage = _tensor_stage(arrays)
+    if stage is not None:
+        return _pipeline(
+            rules, arrays, state, gradients, head_gradients, tuple(splits), stage, width
+        )
+    layer_gradients = _total(
+        (a.elements * STATE_BYTES / "layers").per(
+            x for d in a.axes["params"] for x in d if x not in tokens
+        )
+        for a in arrays
+        if "layers" in a.names
+    )
+    ring = _context_axis(rules)
+    activations, weights, rebuilt = _kept(rules, arrays, compute_dtype, policy, moe)
+    head = per_micro_batch(split_by(Formula.product(["batch", "seq", "vocab"], LOGIT_BYTES), rules))
+    passes = Formula.of("micro") * (2 if policy else 1)
+    transfers = weight_transfers(arrays, rules, passes, Formula.of("micro"), width)
+    again = policy == "full" or (policy == "dots" and bool(moe))  # the experts' slots again
+    transfers += _activation_transfers(
+        arrays, rules, width, 3 if again else 2, bool(moe), policy is not None
+    )
+    accumulator = gradients
+    flops = product_flops(policy, bool(moe))
+    if ring is not None:
+        flops += _ring_flops(policy, ring) - _ring_flops(policy, None)
+    flops = flops.per(rules.axes)
+    extra = _extra(rules, moe=bool(moe), policy=policy)
+    return Costs(
+        rules,
+        state,
+        activations,
+        weights,
+        rebuilt,
+        gradients,
+        layer_gradients,
+        head_gradients,
+        accumulator,
+        head,
+        tuple(transfers),
+        flops,
+        tuple(splits),
+        None,
+        **extra,
+    )
+
+
+def _extra(
+    rules: Rules, pipeline: bool = False, moe: bool = False, policy: str | None = None
+) -> dict[str, object]:
+    """The batch's and the ring's axes, and the forward pass's and attention's FLOPs per
+    device (a pipeline's backward runs its stage's forward again)."""
+    ring = _context_axis(rules)
+    forward = sum((p.forward for p in products(moe)), Formula())
+    return {
+        "batch_axes": tuple(a for a in rules.token_axes(rules.axes) if a != ring),
+        "ring_axis": ring,
+        "forward_flops": (forward * (2 if pipeline else 1)).per(rules.axes),
+        "attention_flops": _ring_flops(policy, ring).per(rules.axes),
+    }
+
+
+def _ring_flops(policy: str | None, ring: str | None) -> Formula:
+    """Attention's FLOPs per step over all devices. Dense: every query-key pair, forward,
+    twice backward, again under remat. On a zig-zag ring (`nnxscale.context`): 1/2 + 1/(4N)
+    of the pairs under the causal mask (with one block per chunk; smaller blocks score
+    fewer), forward, 2.5 times backward (the custom VJP recomputes the scores), again under
+    remat."""
+    (scores,) = [p.forward for p in products() if p.name == "attention scores"]
+    again = 1 if policy else 0
+    if ring is None:
+        return scores * (3 + again)
+    return (scores * 0.5 + scores * 0.25 / ring) * (3.5 + again)
+
+
+def _context_axis(rules: Rules) -> str | None:
+    """The mesh axis, other than the batch's, that `rules` split the sequence over (a ring)."""
+    batch = set(rules.token_axes(())) | {
+        a for c in rules.logical.get("batch", ()) for a in ((c,) if isinstance(c, str) else c)
+    }
+    for candidate in rules.logical.get("length", ()):
+        for axis in (candidate,) if isinstance(candidate, str) else candidate:
+            if axis not in batch:
+                return axis
+    return None
+
+
+def _local(formula: Formula, rules: Rules) -> Formula:
+    """A ring's kept blocks, already per device along the sequence (in `chunk`), split over
+    the other axes as activations are, with `chunk` as `seq / context`."""
+    axis = _context_axis(rules)
+    return (
+        split_by(formula, rules)
+        .replace("chunk", {"seq": 1, axis: -1})
+        .replace("context", {axis: 1})
+    )
+
+
+def _total(formulas: Iterable[Formula]) -> Formula:
+    return sum(formulas, Formula())
+
+
+def _tensor_all_reduces(
+    arrays: list[PlacedArray], rules: Rules, width: float, passes: int
+) -> list[Transfer]:
+    """Tensor parallelism's all-reduces of the residual stream: two per layer for each of
+    attention and MLP if their weights are split (in each of `passes`), two for a
+    vocabulary-parallel embedding and head."""
+    stream = per_micro_batch(split_by(Formula.product(["batch", "seq", "embed"], width), rules))
+    found = []
+    for name, per_layer, what in (
+        ("heads", True, "attention"),
+        ("mlp", True, "MLP"),
+        ("vocab", False, "embedding and head"),
+    ):
+        axes = tensor_axes(arrays, name, rules)
+        if axes:
+            count = Formula.of("layers") * passes if per_layer else Formula.of(2)
+            found.append(
+                Transfer(
+                    "all-reduce", axes, stream, count * "micro", count, "blocking",
+                    f"{what} outputs",
+                )
+            )  # fmt: skip
+    return found
+
+
+def _expert_all_to_alls(rules: Rules, width: float, passes: int) -> list[Transfer]:
+    """Expert parallelism's all-to-alls of the experts' slots: to the experts and back, in
+    each of `passes`, over the first axis that splits the experts."""
+    experts = ordered(
+        (a for c in rules.logical.get("experts", ()) for a in ((c,) if isinstance(c, str) else c)),
+        rules,
+    )
+    if not experts:
+        return []
+    slots = per_micro_batch(
+        split_by(Formula.product(["batch", "experts", "capacity", "embed"], width), rules)
+    )
+    count = Formula.of("layers") * 2 * passes
+    return [
+        Transfer(
+            "all-to-all", experts[:1], slots, count * "micro", count, "blocking",
+            "experts' slots",
+        )
+    ]  # fmt: skip
+
+
+def _ring_hops(rules: Rules, width: float, rerun: bool) -> list[Transfer]:
+    """Ring attention's hops when the sequence is split: keys and values in the compute
+    dtype, their gradients in float32."""
+    axis = _context_axis(rules)
+    if axis is None:
+        return []
+    values = Formula.product(["batch", "seq", "heads", "head_dim"], 2)  # a K and a V block
+    hops = Formula.of(axis) - 1
+    # forward: N-1 hops, again when remat rebuilds the layer; backward: N-1 more, the
+    # first shared with the forward's (the compiler sends it once)
+    keys = Formula.of("layers") * (hops * (2 if rerun else 1) + hops - 1)
+    grads = Formula.of("layers") * Formula.of(axis)  # with K and V, and one hop home
+    return [
+        Transfer(
+            "collective-permute", (axis,), per_micro_batch(split_by(values * size, rules)),
+            count * "micro", count, "ring", what,
+        )
+        for size, count, what in (
+            (width, keys, "keys and values"),
+            (STATE_BYTES, grads, "their gradients, in float32"),
+        )
+    ]  # fmt: skip
+
+
+def _pipeline(
+    rules: Rules,
+    arrays: list[PlacedArray],
+    state: dict[str, Formula],
+    gradients: Formula,
+    head_gradients: Formula,
+    splits: tuple[tuple[str, tuple[str, ...]], ...],
+    stage: str,
+    width: float,
+) -> Costs:
+    """The formulas of a step on `nnxscale.pipeline`'s executor with a 1F1B schedule of
+    `micro` micro-batches over `stage`: each device keeps min(stage, micro) stage inputs and
+    one output gradient in its buffers, rebuilds one micro-batch's stage in each backward
+    task (the executor recomputes instead of keeping activations), sums its stage's
+    gradients whole (gathered once per step over an inner FSDP axis, in float32, and
+    reduce-scattered once), and hands an activation forward and a gradient back every tick.
+    The last stage also computes the logits of a micro-batch."""
+    tokens = set(rules.token_axes(rules.axes))
+    whole = _total(
+        a.elements.per(x for d in a.axes["params"] for x in d if x not in tokens) * STATE_BYTES
+        for a in arrays
+    )
+    k = kept("float32" if width == 4 else "bfloat16")
+    micro = per_micro_batch(split_by(Formula.product(["batch", "seq", "embed"], width), rules))
+    slots = Formula.of(stage) + 1  # min(stage, micro) inputs and one gradient, at micro >= stage
+    one_stage = (split_by(k.layer, rules) * "layers").per([stage])
+    rebuilt = per_micro_batch(one_stage) + (
+        split_by(k.weights, rules, weights=True) * "layers"
+    ).per([stage])
+    head = per_micro_batch(
+        split_by(Formula.product(["batch", "seq", "vocab"], 2 * LOGIT_BYTES) + k.model, rules)
+    )
+    once = Formula.of(1)
+    transfers = weight_transfers(arrays, rules, once, once, STATE_BYTES)
+    ticks = (Formula.of("micro") + stage - 1) * 2
+    hand_overs = "stage inputs and their gradients"
+    transfers.append(
+        Transfer(
+            "collective-permute", (stage,), micro, ticks * 2, ticks * 2, "blocking", hand_overs
+        )
+    )
+    flops = (product_flops(None) * Formula.of(4) / 3).per(rules.axes)  # the backward runs it again
+    weights = whole if tokens else Formula()  # the stage's weights, gathered once per step
+    return Costs(
+        rules,
+        state,
+        micro * slots,
+        weights,
+        rebuilt,
+        whole,
+        Formula(),
+        head_gradients,
+        whole,
+        head,
+        tuple(transfers),
+        flops,
+        splits,
+        stage,
+        **_extra(rules, pipeline=True),
+    )
+
+
+def _tensor_stage(arrays: list[PlacedArray]) -> str | None:
+    """The mesh axis that splits the stacked layers (a pipeline's stages), if any."""
+    for a in arrays:
+        for name, axes in zip(a.names, a.axes["params"], strict=True):
+            if name == "layers" and axes:
+                return axes[0]
+    return None
+
+
+def unsuitable(cfg: Config, setup: Setup, batch: int, seq: int) -> str:
+    """Why `setup` cannot run this model and batch as the cost model prices it, or ""."""
+    why = mixture_problem(cfg) or unpriced(setup.rules, mixture(cfg))
+    if why:
+        return why
+    costs = derive(setup.rules, cfg.compute_dtype, setup.remat, mixture(cfg))
+    sizes = sizes_of(cfg, setup, batch, seq)
+    for size, axes in costs.splits:
+        n = math.prod(setup.sizes[a] for a in axes)
+        if sizes[size] % n:
+            name = "x".join(axes)
+            return f"the {name} axis ({n}) does not divide {size} ({sizes[size]})"
+    split = math.prod(setup.sizes[a] for a in costs.batch_axes)
+    if batch % (split * setup.micro_batches):
+        parts = f"{setup.micro_batches} micro-batches x {split} devices"
+        return f"the batch of {batch} sequences does not split into {parts}"
+    ring = setup.sizes.get(costs.ring_axis, 1) if costs.ring_axis else 1
+    if costs.ring_axis and ring < 2:
+        return f"a context ring needs 2 or more devices on {costs.ring_axis!r}, not {ring}"
+    if seq % (2 * ring):
+        return f"{seq} tokens do not cut into 2 x {ring} chunks for the zig-zag ring"
+    if seq > cfg.max_len:
+        return f"sequences of {seq} tokens exceed the model's max_len ({cfg.max_len})"
+    stages = setup.sizes.get(costs.stage_axis, 1) if costs.stage_axis else 1
+    if setup.micro_batches < stages:
+        return f"{stages} stages need at least {stages} micro-batches (1F1B)"
+    return ""
