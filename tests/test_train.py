@@ -273,3 +273,32 @@ def test_unreduced_gradients_need_explicit_axes() -> None:
     run = Trainer.create(create(TINY), adamw(), DP, strategy_mesh(DP), grads_fn=unreduced_grads)
     with pytest.raises(AxisTypeError, match="explicit=True"):
         run.train(BATCHES, 1)
+
+
+@pytest.mark.parametrize("factory", [True, False], ids=["created in shards", "from a module"])
+def test_a_trainer_resolves_its_rules_once(factory: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One pass over the train state places every array and, where a rule set places
+    gradients apart from parameters (ZeRO-2), every gradient: the same specs a separate
+    resolution for the gradients' role gives."""
+    from nnxscale.placement import layout
+    from nnxscale.placement.rules import ZERO2
+
+    made = []
+    original = layout.Layout.__init__
+    monkeypatch.setattr(
+        layout.Layout, "__init__", lambda self, *a, **k: made.append(original(self, *a, **k))
+    )
+    for rules in (FSDP, ZERO2):
+        made.clear()
+        model = (lambda: create(TINY)) if factory else create(TINY)
+        trainer = Trainer.create(model, adamw(), rules, strategy_mesh(rules))
+        assert len(made) == 1, rules.name
+    params = nnx.state(trainer.model(), nnx.Param)
+    apart = layout.resolve(params, ZERO2, trainer.layout.mesh, role="grads").shardings()
+    read = trainer.layout.gradient_shardings(params, prefix="model/")
+    assert jax.tree.map(lambda s: s.spec, read) == jax.tree.map(lambda s: s.spec, apart)
+    assert any(s.spec != P() for s in jax.tree.leaves(read))  # ZeRO-2 splits the gradients
+    assert (
+        trainer.layout.gradient_specs
+        and not layout.resolve(params, FSDP, trainer.layout.mesh).gradient_specs
+    )

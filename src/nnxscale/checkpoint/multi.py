@@ -46,22 +46,7 @@ def planned(
     batch_size = 2 * devices if batch_size is None else batch_size
     shape = rules.mesh_shape(devices)
     grid = np.arange(devices).reshape(shape)
-    batch_axes = next(
-        (axes for axes in rules.candidates("batch", "the batch") if set(axes) <= set(rules.axes)),
-        (),
-    )
-    where = [rules.axes.index(axis) for axis in batch_axes]
-    split = math.prod(shape[i] for i in where)
-    if batch_size % split:
-        raise ValueError(
-            f"a batch of {batch_size} rows cannot be split over the {split} devices of mesh "
-            f"axes {batch_axes}: use a multiple of {split}"
-        )
-    rows = batch_size // split
-    first_row = {}
-    for index, device in np.ndenumerate(grid):
-        block = np.ravel_multi_index([index[i] for i in where], [shape[i] for i in where])
-        first_row[int(device)] = int(block) * rows
+    rows, first_row = _first_rows(rules, grid, batch_size)
     each = devices // processes
     starts = []
     for process in range(processes):
@@ -81,6 +66,29 @@ def planned(
             )
         )
     return starts
+
+
+def _first_rows(rules: Rules, grid: np.ndarray, batch_size: int) -> tuple[int, dict[int, int]]:
+    """Rows per device of a batch of `batch_size` split over the mesh axes of the batch rule,
+    and the first row each device of `grid` (the mesh's device positions) holds."""
+    batch_axes = next(
+        (axes for axes in rules.candidates("batch", "the batch") if set(axes) <= set(rules.axes)),
+        (),
+    )
+    shape = grid.shape
+    where = [rules.axes.index(axis) for axis in batch_axes]
+    split = math.prod(shape[i] for i in where)
+    if batch_size % split:
+        raise ValueError(
+            f"a batch of {batch_size} rows cannot be split over the {split} devices of mesh "
+            f"axes {batch_axes}: use a multiple of {split}"
+        )
+    rows = batch_size // split
+    first_row = {}
+    for index, device in np.ndenumerate(grid):
+        block = np.ravel_multi_index([index[i] for i in where], [shape[i] for i in where])
+        first_row[int(device)] = int(block) * rows
+    return rows, first_row
 
 
 def _store_of(directory: Path) -> int:

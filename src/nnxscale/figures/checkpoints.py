@@ -10,6 +10,7 @@ import jax
 import matplotlib.pyplot as plt
 import numpy as np
 from flax import nnx
+from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 
 from nnxscale.checkpoint.restoring import chunks_read
@@ -62,6 +63,36 @@ def plot_saves(steps: Mapping[int, tuple[float, float]], saves: Mapping[int, Any
     return fig
 
 
+def _outline_reads(
+    ax: Axes,
+    new: jax.ShapeDtypeStruct,
+    chunk: tuple[int, ...],
+    reads: list[tuple[int, ...]],
+    device: int,
+) -> None:
+    """Hatch the saved chunks `device` reads, and outline in red the shard it keeps."""
+    height, width = (1, *chunk) if len(chunk) == 1 else chunk
+    for index in reads:
+        row, col = (0, *index) if len(index) == 1 else index
+        ax.add_patch(
+            plt.Rectangle(
+                (col * width, row * height),
+                width,
+                height,
+                fill=False,
+                hatch="///",
+                edgecolor="0.15",
+                linewidth=0.8,
+            )
+        )
+    (r0, r1, c0, c1), _ = next(
+        (block, ids) for block, ids in shard_blocks(new).items() if device in ids
+    )
+    ax.add_patch(
+        plt.Rectangle((c0, r0), c1 - c0, r1 - r0, fill=False, edgecolor="red", linewidth=3)
+    )
+
+
 def plot_restore(
     model: nnx.Module | Config,
     path: str,
@@ -99,26 +130,7 @@ def plot_restore(
         new = placed(rules, devices)
         plot_sharding(new, ax)
         reads = chunks_read(chunk, new, device)
-        height, width = (1, *chunk) if len(chunk) == 1 else chunk
-        for index in reads:
-            row, col = (0, *index) if len(index) == 1 else index
-            ax.add_patch(
-                plt.Rectangle(
-                    (col * width, row * height),
-                    width,
-                    height,
-                    fill=False,
-                    hatch="///",
-                    edgecolor="0.15",
-                    linewidth=0.8,
-                )
-            )
-        (r0, r1, c0, c1), _ = next(
-            (block, ids) for block, ids in shard_blocks(new).items() if device in ids
-        )
-        ax.add_patch(
-            plt.Rectangle((c0, r0), c1 - c0, r1 - r0, fill=False, edgecolor="red", linewidth=3)
-        )
+        _outline_reads(ax, new, chunk, reads, device)
         held = int(np.prod(new.sharding.shard_shape(new.shape))) * itemsize
         read = len(reads) * int(np.prod(chunk)) * itemsize
         mesh = dict(new.sharding.mesh.shape)

@@ -92,3 +92,10 @@ def byte_unit(largest: float) -> tuple[float, str]:
         if largest >= 4 * divisor:
             return divisor, name
     return 1, "bytes"
+
+
+def frameless(ax: Axes, labelsize: float | None = None) -> None:
+    """`ax` without its frame (spines) or tick marks; tick labels in `labelsize` if given."""
+    ax.tick_params(length=0, **({} if labelsize is None else {"labelsize": labelsize}))
+    for spine in ax.spines.values():
+        spine.set_visible(False)

@@ -30,16 +30,24 @@ def plot_profile(rows: Sequence[Timed], title: str = "", named: int = 3) -> Figu
         boxes[key] += [((start - origin) / 1e3, duration / 1e3) for start, duration in spans]
     for (lane, kind, optimizer), spans in boxes.items():
         ax.broken_barh(
-            spans, (lane - 0.4, 0.8), facecolors=KIND_COLOURS[kind], edgecolor="none",
+            spans,
+            (lane - 0.4, 0.8),
+            facecolors=KIND_COLOURS[kind],
+            edgecolor="none",
             hatch="////" if optimizer else None,
-        )  # fmt: skip
+        )
     first = [r for r in rows if r.device == devices[0]]
     for r in sorted(first, key=lambda r: -r.wall)[:named]:
         start = (r.starts[0] - origin) / 1e3
         ax.annotate(
-            r.name, (start + r.durations[0] / 2e3, -0.4), xytext=(0, 6),
-            textcoords="offset points", ha="center", fontsize=7, rotation=20,
-        )  # fmt: skip
+            r.name,
+            (start + r.durations[0] / 2e3, -0.4),
+            xytext=(0, 6),
+            textcoords="offset points",
+            ha="center",
+            fontsize=7,
+            rotation=20,
+        )
     ax.set_ylim(len(devices) - 0.5, -1.3)
     ax.set_yticks(range(len(devices)), [f"device {d}" for d in devices])
     ax.set_xlabel("milliseconds since the step's first op")
@@ -72,24 +80,37 @@ def plot_roofline(
         ax.plot(span, [attainable(i, h) for i in span], style, color=colour, label=h.name)
         ax.axvline(ridge(h), color=colour, linestyle=":", linewidth=0.8)
         ax.annotate(
-            f"{ridge(h):.0f} FLOP/B", (ridge(h), h.flops), xytext=(3, 3),
-            textcoords="offset points", fontsize=7, color=colour,
-        )  # fmt: skip
+            f"{ridge(h):.0f} FLOP/B",
+            (ridge(h), h.flops),
+            xytext=(3, 3),
+            textcoords="offset points",
+            fontsize=7,
+            color=colour,
+        )
     for label, intensity in marks.items():
         ax.annotate(
-            label, (intensity, attainable(intensity, hw)), xytext=(0, -28),
-            textcoords="offset points", ha="center", fontsize=8,
+            label,
+            (intensity, attainable(intensity, hw)),
+            xytext=(0, -28),
+            textcoords="offset points",
+            ha="center",
+            fontsize=8,
             arrowprops={"arrowstyle": "->", "linewidth": 0.8},
-        )  # fmt: skip
+        )
     longest = max([p.seconds for p in placed] + [1e-9])
     for kind, colour in KIND_COLOURS.items():
         mine = [p for p in placed if p.kind == kind]
         if mine:
             ax.scatter(
-                [p.intensity for p in mine], [p.achieved for p in mine],
+                [p.intensity for p in mine],
+                [p.achieved for p in mine],
                 s=[10 + 200 * p.seconds / longest for p in mine],
-                color=colour, alpha=0.7, label=f"{kind} ops", edgecolor="k", linewidth=0.3,
-            )  # fmt: skip
+                color=colour,
+                alpha=0.7,
+                label=f"{kind} ops",
+                edgecolor="k",
+                linewidth=0.3,
+            )
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.set_xlabel("arithmetic intensity (FLOPs per byte moved)")

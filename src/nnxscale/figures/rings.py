@@ -8,7 +8,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 from matplotlib.figure import Figure
 
-from nnxscale.figures.drawing import box, device_colour
+from nnxscale.figures.drawing import box, device_colour, frameless
 from nnxscale.model.context import Ring
 from nnxscale.model.moe import Routing
 from nnxscale.runtime.events import Start
@@ -81,14 +81,8 @@ def plot_ring(ring: Ring) -> Figure:
         x = column(step)
         for device, owner in enumerate(ring.holding(step)):
             colour = device_colour(owner, n)
-            ax.text(
-                x + width / 2,
-                device + 0.22,
-                "K/V " + ",".join(map(str, chunks[owner])),
-                ha="center",
-                va="center",
-                fontsize=7,
-            )
+            held = "K/V " + ",".join(map(str, chunks[owner]))
+            ax.text(x + width / 2, device + 0.22, held, ha="center", va="center", fontsize=7)
             for row, query in enumerate(chunks[device]):
                 for col, key in enumerate(chunks[owner]):
                     face = colour if query >= key else "white"
@@ -108,9 +102,7 @@ def plot_ring(ring: Ring) -> Figure:
     ax.set_xticklabels(["queries\n(stay)"] + [f"step {t}" for t in range(n)], fontsize=8)
     ax.xaxis.tick_top()
     ax.set_yticks([d + 0.5 for d in range(n)], [f"device {d}" for d in range(n)], fontsize=8)
-    ax.tick_params(length=0)
-    for spine in ax.spines.values():
-        spine.set_visible(False)
+    frameless(ax)
     ax.set_title(
         f"Ring attention on {n} devices ({ring.layout} chunks): queries stay, K/V shards hop\n"
         "filled squares: the (query chunk, key chunk) pairs a causal mask needs",
@@ -137,12 +129,8 @@ def plot_dispatch(routing: Routing, devices: int) -> Figure:
         )
     per, k = experts // devices, chosen.shape[-1]
     kept = dispatch.sum(axis=-1) > 0  # (groups, tokens, experts)
-    fig, (left, right) = plt.subplots(
-        1,
-        2,
-        figsize=(2.5 + 0.45 * (tokens + groups * slots), 1.0 + 0.8 * experts),
-        width_ratios=[tokens, groups * slots],
-    )
+    size = (2.5 + 0.45 * (tokens + groups * slots), 1.0 + 0.8 * experts)
+    fig, (left, right) = plt.subplots(1, 2, figsize=size, width_ratios=[tokens, groups * slots])
     rows = k + 1.5  # a device's rows on the left: its tokens, their k choices, a gap
     for g in range(groups):
         top = g * rows
@@ -179,8 +167,6 @@ def plot_dispatch(routing: Routing, devices: int) -> Figure:
     right.set_xticklabels([f"slots from device {g}" for g in range(groups)], fontsize=8)
     right.set_title(f"after the all-to-all: {slots} slots per expert and group", fontsize=9)
     for ax in (left, right):
-        ax.tick_params(length=0, labelsize=8)
-        for spine in ax.spines.values():
-            spine.set_visible(False)
+        frameless(ax, labelsize=8)
     fig.tight_layout()
     return fig

@@ -196,11 +196,38 @@ def flax_rules_of(leaf: Any) -> dict[str, object]:
 class Layout:
     """A rule set resolved against a tree of arrays and a mesh."""
 
-    def __init__(self, rules: Rules, mesh: Mesh, placements: list[Placement], specs: Any):
+    def __init__(
+        self,
+        rules: Rules,
+        mesh: Mesh,
+        placements: list[Placement],
+        specs: Any,
+        gradient_specs: dict[str, PartitionSpec] | None = None,
+    ):
         self.rules = rules
         self.mesh = mesh
         self.placements = placements
         self.specs = specs
+        self.gradient_specs = gradient_specs or {}
+        """Path -> spec of each parameter's gradient, where the rule set places gradients
+        apart from parameters (ZeRO-2); empty where they go together."""
+
+    def gradient_shardings(self, params: Any, prefix: str = "") -> Any:
+        """Where a step puts the gradients of `params`, the parameters at `prefix` of the
+        resolved tree, read off this resolution (`gradient_specs`); None when the gradients
+        go where the parameters are."""
+        if not self.gradient_specs:
+            return None
+        treedef = jax.tree.structure(params, is_leaf=lambda x: isinstance(x, nnx.Variable))
+        specs = []
+        for path, leaf in flat(params):
+            spec = self.gradient_specs[prefix + path]
+            specs.append(leaf.replace(spec) if isinstance(leaf, nnx.Variable) else spec)
+        return jax.tree.map(
+            lambda spec: NamedSharding(self.mesh, spec),
+            treedef.unflatten(specs),
+            is_leaf=lambda x: isinstance(x, PartitionSpec),
+        )
 
     def shardings(self) -> Any:
         """The tree of `NamedSharding`s, shaped like the resolved tree."""
@@ -325,7 +352,8 @@ def resolve(
             "a rule set written for this mesh."
         )
     treedef = jax.tree.structure(tree, is_leaf=lambda x: isinstance(x, nnx.Variable))
-    placements, specs = [], []
+    placements, specs, gradient_specs = [], [], {}
+    apart = role is None and ("params" in rules.whole) != ("grads" in rules.whole)
     for path, leaf in flat(tree):
         shape = tuple(int(d) for d in np.shape(leaf))
         dtype = leaf.dtype  # a NumPy dtype, or a JAX key type (which has an itemsize too)
@@ -334,6 +362,9 @@ def resolve(
         where = role or role_of(path)
         chosen, reason, fallback = _place(path, shape, logical, rules, mesh, where, flax)
         spec = PartitionSpec(*(_spec_entry(axes) for axes in chosen))
+        if apart and where == "params":  # the gradient's place, in the same pass
+            split = _place(path, shape, logical, rules, mesh, "grads", flax)[0]
+            gradient_specs[path] = PartitionSpec(*(_spec_entry(axes) for axes in split))
         splits = [_axes_size(mesh, a) if a else 1 for a in chosen]
         shard = tuple(s // k for s, k in zip(shape, splits, strict=True))
         placements.append(
@@ -351,7 +382,7 @@ def resolve(
             )
         )
         specs.append(leaf.replace(spec) if isinstance(leaf, nnx.Variable) else spec)
-    layout = Layout(rules, mesh, placements, treedef.unflatten(specs))
+    layout = Layout(rules, mesh, placements, treedef.unflatten(specs), gradient_specs)
     _warn_if_whole([p for p in placements if p.fallback and p.pieces == 1], layout, warn_bytes)
     return layout
 

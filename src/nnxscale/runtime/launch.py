@@ -226,6 +226,24 @@ def _environment(
     return worker_env
 
 
+def _check_start(
+    command: Sequence[str], processes: int, devices: int | None, port: int | None
+) -> None:
+    """Refuse what `start` cannot start, before anything runs."""
+    if isinstance(command, str):
+        raise TypeError(
+            f"command={command!r}: pass the program and its arguments as a list, such as "
+            "[sys.executable, 'worker.py']"
+        )
+    counts = (processes, 1 if devices is None else devices)
+    if any(isinstance(c, bool) or not isinstance(c, int) for c in counts):
+        raise ValueError(f"processes and devices are whole numbers, got {processes}, {devices}")
+    if processes < 1 or (devices is not None and devices < 1):
+        raise ValueError(f"need at least 1 process and 1 device each, got {processes}, {devices}")
+    if port is not None and processes > 1:
+        check_port(port)
+
+
 def start(
     command: Sequence[str],
     processes: int = 1,
@@ -244,18 +262,7 @@ def start(
     Call `wait` on the result from the same thread: on Linux a worker is killed when the
     thread that started it ends. Setting `stop` makes `wait` stop the run.
     """
-    if isinstance(command, str):
-        raise TypeError(
-            f"command={command!r}: pass the program and its arguments as a list, such as "
-            "[sys.executable, 'worker.py']"
-        )
-    counts = (processes, 1 if devices is None else devices)
-    if any(isinstance(c, bool) or not isinstance(c, int) for c in counts):
-        raise ValueError(f"processes and devices are whole numbers, got {processes}, {devices}")
-    if processes < 1 or (devices is not None and devices < 1):
-        raise ValueError(f"need at least 1 process and 1 device each, got {processes}, {devices}")
-    if port is not None and processes > 1:
-        check_port(port)
+    _check_start(command, processes, devices, port)
     coordinator = f"localhost:{port or free_port()}" if processes > 1 else ""
     run = Run([]) if stop is None else Run([], stop_requested=stop)
     for index in range(processes):

@@ -23,10 +23,14 @@ from nnxscale.train.state import TrainOptions
 def batch_kind(batch: Any) -> tuple[object, ...]:
     """What a compiled step fixes of a batch: each array's path, shape, dtype and sharding."""
     return tuple(
-        (path, tuple(getattr(x, "shape", ())), str(getattr(x, "dtype", type(x).__name__)),
-         getattr(x, "sharding", None))
+        (
+            path,
+            tuple(getattr(x, "shape", ())),
+            str(getattr(x, "dtype", type(x).__name__)),
+            getattr(x, "sharding", None),
+        )
         for path, x in flat(batch)
-    )  # fmt: skip
+    )
 
 
 def check_loss(options: TrainOptions, model: nnx.Module) -> None:

@@ -295,11 +295,8 @@ def placed_on_many(model: nnx.Module) -> bool:
 def gradient_shardings(graphdef: nnx.GraphDef, values: nnx.State, layout: Layout) -> Any:
     """Where the step puts the gradients, when the rule set places them apart from the
     parameters (ZeRO-2: split while the parameters are whole); None when they go together."""
-    whole = layout.rules.whole
-    if ("params" in whole) == ("grads" in whole):
-        return None
     params = nnx.state(nnx.merge(graphdef, values).model, nnx.Param)
-    return resolve(params, layout.rules, layout.mesh, role="grads").shardings()
+    return layout.gradient_shardings(params, prefix="model/")
 
 
 ROLE_NAMES = {"params": "parameters", "grads": "gradients", "optimizer": "optimizer state"}
