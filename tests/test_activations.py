@@ -50,6 +50,7 @@ def test_the_formulas_give_autodiffs_bytes_at_sizes_never_traced(dtype: str, rem
     assert predicted == kept_bytes(cfg, batch, seq)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("remat", [False, "full", "dots"])
 @pytest.mark.parametrize("top_k, factor", [(1, 1.0), (2, 1.5), (3, 2.0)])

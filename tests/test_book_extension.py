@@ -89,6 +89,7 @@ print(json.dumps({
 """
 
 
+@pytest.mark.slow
 def test_a_program_read_back_from_the_shared_cache_is_the_program_compiled(tmp_path) -> None:
     """What a chapter reads off a compiled program is the same when a chapter before it
     compiled the program and the build's shared compilation cache hands it back."""

@@ -81,6 +81,7 @@ def installable_distributions() -> set[str]:
     return declared | kernel | set(KERNEL_PACKAGES) | {"nnxscale"}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("md", CHAPTERS, ids=NAMES)
 def test_every_import_is_a_declared_dependency(md: Path) -> None:
     providers = metadata.packages_distributions()

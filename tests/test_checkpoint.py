@@ -58,6 +58,7 @@ def run(tmp_path_factory) -> dict:
             "checkpoints": checkpoints}  # fmt: skip
 
 
+@pytest.mark.slow
 def test_keeps_the_last_k(run) -> None:
     assert run["checkpoints"].steps() == [6, 8]
     assert sorted(p.name for p in run["dir"].iterdir()) == [
@@ -138,6 +139,7 @@ def test_resumed_run_equals_the_uninterrupted_run(run) -> None:
     assert checksums(resumed.state) == run["sums"][8]
 
 
+@pytest.mark.slow
 def test_restore_into_reuses_a_trainer(run) -> None:
     trainer = run["checkpoints"].restore(
         Transformer.from_config, adamw(), FSDP, strategy_mesh(FSDP), step=8
@@ -162,6 +164,7 @@ def test_files_are_described(run) -> None:
     assert all(role != "other" for _, _, role in run["checkpoints"].files())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("rules", [DP, FSDP, TP], ids=lambda r: r.name)
 def test_every_device_writes_an_equal_share_of_every_array(run, rules, tmp_path) -> None:
     """Distinct shards are written whole; replicated shards are split between their replicas.
@@ -262,6 +265,7 @@ def test_file_roles() -> None:
     assert file_role("something/else") == "other"
 
 
+@pytest.mark.slow
 def test_a_save_killed_mid_write_loses_only_the_steps_since_the_last(tmp_path: Path) -> None:
     directory = tmp_path / "crash"
     crash = cli.crash_during_save(directory, steps=6, save_every=3, devices=8, batch_size=16)
@@ -286,6 +290,7 @@ def test_a_save_killed_mid_write_loses_only_the_steps_since_the_last(tmp_path: P
     assert writer.steps() == [3, 6] and writer.partial() == []
 
 
+@pytest.mark.slow
 def test_resume_from_the_command_line_after_a_crash(tmp_path: Path) -> None:
     """The killed run compiled with the compiler options it was given; its checkpoints record
     them, so the run resumed from the command line compiles the same step and redoes the lost
@@ -305,6 +310,7 @@ def test_resume_from_the_command_line_after_a_crash(tmp_path: Path) -> None:
     assert np.isfinite(list(redone.values())).all()
 
 
+@pytest.mark.slow
 def test_an_interleaved_run_resumes_unpipelined_and_under_another_schedule(tmp_path) -> None:
     """A pipeline holding its layers in rounds saves them as one plain stack, in the model's
     order; restored without a pipeline, or in other rounds on another mesh, the state is the
@@ -364,6 +370,7 @@ def program_text(compiled: jax.stages.Compiled) -> str:
     return "\n".join(line for line in text.splitlines() if line.startswith(("%", "ENTRY", " ")))
 
 
+@pytest.mark.slow
 def test_a_restored_run_compiles_the_program_that_saved_it(tmp_path: Path) -> None:
     """The options travel with the checkpoint: restored without them, the step is the saved
     run's program, to the letter; a loss function of the run's own must be given again."""

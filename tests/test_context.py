@@ -54,6 +54,7 @@ def largest_gap(a, b) -> float:
     return max(float(jnp.abs(x - y).max()) for x, y in zip(a, b, strict=True))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("devices", [1, 2, 4, 8])
 @pytest.mark.parametrize("layout", context.LAYOUTS)
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
@@ -65,6 +66,7 @@ def test_ring_attention_and_its_custom_vjp_equal_dense_attention(devices, layout
     assert largest_gap(ours, theirs) < 1e-5
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "devices, length, block", [(3, 60, 5), (5, 40, 2), (6, 48, 1), (7, 70, None)]
 )
@@ -125,6 +127,7 @@ def test_the_schedule_scores_each_needed_pair_once_and_pads_with_masked_ones() -
             assert needed_pairs <= seen
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("devices", [4, 8])
 def test_zigzag_scores_about_half_of_full_attention_and_contiguous_all_of_it(devices) -> None:
     """Read off the compiled forward: the FLOPs of its products (loop trip counts
@@ -153,6 +156,7 @@ def test_zigzag_scores_about_half_of_full_attention_and_contiguous_all_of_it(dev
     assert len(set(work)) == 1 and 2 * work[0] * devices > length * length
 
 
+@pytest.mark.slow
 def test_memory_per_device_grows_linearly_with_the_sequence_and_not_with_the_ring() -> None:
     """Compiled temporaries of forward and backward per device: the custom VJP's grow by
     the same bytes per token at every length (linear); autodiff through the loops keeps
@@ -259,6 +263,7 @@ def cp_trainer(rules, devices=None, cfg=None):
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("rules", [nx.CP, nx.FSDP_CP], ids=["CP", "FSDP+CP"])
 def test_the_transformer_trains_with_context_parallelism_as_on_one_device(rules) -> None:
     batches = nx.book_batches(8)
@@ -269,6 +274,7 @@ def test_the_transformer_trains_with_context_parallelism_as_on_one_device(rules)
     assert np.max(np.abs(np.array(trainer.train(batches, 4)) - reference)) < 1e-5
 
 
+@pytest.mark.slow
 def test_the_step_passes_keys_and_values_around_the_ring_and_nothing_else_large() -> None:
     trainer = cp_trainer(nx.CP)
     n, cfg = trainer.layout.mesh.shape["context"], trainer.model().cfg
@@ -321,6 +327,7 @@ def test_a_table_read_beside_the_batch_stays_off_the_batch_axes() -> None:
         assert layout.activation_spec(table, ("vocab", None), beside)[0] == P("model", None)
 
 
+@pytest.mark.slow
 def test_fsdp_tp_is_tp_plus_one_gather_per_weight_use() -> None:
     """FSDP+TP's step: TP's collectives, array for array, and all-gathers of TP's weight
     shards over `data`, nothing else (no array of the whole batch, no all-to-all)."""
@@ -339,6 +346,7 @@ def test_fsdp_tp_is_tp_plus_one_gather_per_weight_use() -> None:
     assert len(gathers) + len(reports[0].collectives) == len(reports[1].collectives)
 
 
+@pytest.mark.slow
 def test_sequence_parallelism_gathers_the_residual_stream_and_trains_as_tp() -> None:
     batches = nx.book_batches(8)
     tp, sp = cp_trainer(nx.TP), cp_trainer(nx.SP)
@@ -374,6 +382,7 @@ def test_sequence_parallelism_gathers_the_residual_stream_and_trains_as_tp() -> 
     assert np.max(np.abs(np.array(sp.train(batches, 3)) - reference)) < 1e-5
 
 
+@pytest.mark.slow
 def test_activations_left_to_the_compiler_give_fsdp_tp_another_program() -> None:
     batches = nx.book_batches(16)
     free = cp_trainer(nx.FSDP_TP)

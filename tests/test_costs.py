@@ -46,6 +46,7 @@ def compiled_peak(program: jax.stages.Compiled) -> int:
     return CompiledMemory.of(program).held
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["FSDP+TP", "FSDP+CP"])
 def test_fast_compile_changes_only_a_few_hundred_bytes_of_temporaries(name: str) -> None:
     programs = []
@@ -67,6 +68,7 @@ MIXTURE = PLAIN.replace(experts=8, top_k=2, capacity_factor=2.0, scan_layers=Tru
 """The chapters' mixture of experts, with its layers scanned as the planner's models are."""
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "cfg",
     [TINY, TINY.replace(layers=3, mlp=96, heads=2, vocab=40, max_len=16), MIXTURE.replace(top_k=1)],
@@ -118,6 +120,7 @@ def test_the_formulas_equal_the_layout_on_an_abstract_mesh(name: str, inner, dev
     assert cost.memory["optimizer state"] == costs.OPTIMIZER_COPIES * held["optimizer"]
 
 
+@pytest.mark.slow
 def test_matmul_flops_equal_the_compiled_dots() -> None:
     configs = (
         PLAIN,
@@ -133,6 +136,7 @@ def test_matmul_flops_equal_the_compiled_dots() -> None:
         ).flops == dot_flops(program)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["CP", "FSDP+CP"])
 @pytest.mark.parametrize("remat", [False, "full", "dots"])
 def test_the_rings_flops_equal_the_compiled_dots(name: str, remat) -> None:
@@ -145,6 +149,7 @@ def test_the_rings_flops_equal_the_compiled_dots(name: str, remat) -> None:
     assert costs.step_cost(cfg, setup, H100, 16, 32).flops == dot_flops(program)
 
 
+@pytest.mark.slow
 def test_dp_and_zero_bytes_against_the_compiled_steps() -> None:
     full = costs.counts(TINY).total * costs.STATE_BYTES
     for name in ("DP", "ZeRO-2"):
@@ -161,6 +166,7 @@ def test_dp_and_zero_bytes_against_the_compiled_steps() -> None:
             assert reduced <= ring_bytes("all-reduce", full + 4, 4)
 
 
+@pytest.mark.slow
 def test_fsdp_gathers_the_compute_dtype_copy() -> None:
     """Under bfloat16 compute each device casts its shards before FSDP gathers them: the
     matrices' gathers move half the bytes, counted in the compiled step as derived."""
@@ -180,6 +186,7 @@ def test_fsdp_gathers_the_compute_dtype_copy() -> None:
     assert counted_32 - counted_16 == matrices / 2  # the rest (tables, norms) stays float32
 
 
+@pytest.mark.slow
 def test_zero1_compiles_to_zero2s_program() -> None:
     """XLA's partitioner splits a gradient that only the split optimizer update reads: with
     one micro-batch or two, ZeRO-1's step holds and sends what ZeRO-2's does, and its running
@@ -224,6 +231,7 @@ CASES = [
 ]  # fmt: skip
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name, cfg, micro", CASES)
 @pytest.mark.parametrize("rows", [16, 64])
 def test_the_peak_lies_within_the_tolerance_of_the_compiled_step(name, cfg, micro, rows) -> None:
@@ -234,6 +242,7 @@ def test_the_peak_lies_within_the_tolerance_of_the_compiled_step(name, cfg, micr
     assert low <= compiled_peak(program) / predicted <= high
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "name, cfg", [("CP", PLAIN), ("FSDP+CP", PLAIN.replace(scan_layers=True, remat=True))]
 )
@@ -252,6 +261,7 @@ def test_the_rings_hops_equal_the_compiled_steps(name: str, cfg: Config) -> None
     assert sent == sum(ring) > 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stages, fsdp", [(8, 0), (4, 2)])
 def test_the_pipelines_peak_and_hand_overs_against_the_compiled_executor(stages, fsdp) -> None:
     cfg = PLAIN.replace(layers=8, scan_layers=True)
@@ -425,6 +435,7 @@ def test_hsdp_sends_only_a_shard_across_replicas() -> None:
     assert across * run.layout.mesh.shape["data"] == inside
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["ZeRO-1", "ZeRO-2", "HSDP"])
 def test_new_strategies_train_like_one_device(name: str) -> None:
     reference = trainer("DP", 1).train(BATCHES, 3)
@@ -432,6 +443,7 @@ def test_new_strategies_train_like_one_device(name: str) -> None:
     np.testing.assert_allclose(losses, reference, rtol=0, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_remat_saves_activations_with_or_without_a_scan() -> None:
     """Per added sequence, a step with remat keeps less than 80% of what it keeps without,
     its layers scanned or unrolled. (jaxlib 0.10.2's CPU scheduler rebuilt an unrolled layer
@@ -451,6 +463,7 @@ def test_remat_saves_activations_with_or_without_a_scan() -> None:
     assert growth["scanned"] < 0.8 * growth["none"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("remat", [False, "full"])
 def test_compiled_activations_lie_between_the_textbook_and_the_ledger(remat) -> None:
     """Per added sequence on one device, the compiled step keeps at least the textbook's
@@ -483,6 +496,7 @@ def mixtures() -> list[tuple[str, Config, Trainer, jax.stages.Compiled]]:
     return [(*run, program) for run, program in zip(runs, programs, strict=True)]
 
 
+@pytest.mark.slow
 def test_a_mixtures_flops_state_all_to_alls_and_peak_against_its_compiled_steps(mixtures) -> None:
     """Expert parallelism's rule sets priced like any other: matmul FLOPs (router, dispatch,
     experts, combine) and the state exact, the slots' all-to-alls array for array, and the
@@ -508,6 +522,7 @@ def test_a_mixtures_flops_state_all_to_alls_and_peak_against_its_compiled_steps(
         assert low <= compiled_peak(program) / cost.peak <= high, (name, cfg.remat)
 
 
+@pytest.mark.slow
 def test_a_mixtures_unscanned_layers_keep_less_than_the_ledger() -> None:
     """A Python loop of layers lets XLA fuse the experts' GELU and keep its input alone: the
     compiled peak lies below the scanned model's ledger (the planner's), on the safe side."""

@@ -147,6 +147,7 @@ HARMLESS = {"array metadata, a write shape changed", "step metadata, not JSON"}
 the step's metadata (item names, time) for listing."""
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", KINDS)
 def test_a_damaged_step_is_refused_and_restore_falls_back(saved, copy, kind) -> None:
     damage(copy / "3", kind)
@@ -168,6 +169,7 @@ def test_a_damaged_step_is_refused_and_restore_falls_back(saved, copy, kind) -> 
     assert checksums(restore(copy, step=1).state) == saved["sums"][1]  # nothing else lost
 
 
+@pytest.mark.slow
 def test_bit_flips_anywhere_in_array_data_never_restore_wrong_values(saved, copy) -> None:
     """25 single-bit flips spread over every byte of the step's chunk files: each ends in
     an error naming the step, or (a bit the reader never uses) in the saved values."""
@@ -320,6 +322,7 @@ except nx.checkpoint.SaveError as error:
 )
 
 
+@pytest.mark.slow
 def test_a_failed_background_save_raises_and_the_process_exits(tmp_path) -> None:
     script = tmp_path / "fail.py"
     script.write_text(FAILING_SAVE)
@@ -465,6 +468,7 @@ print(f"losses {trainer.train(data, 1)} {trainer.step_count()}", flush=True)
 """
 
 
+@pytest.mark.slow
 def test_a_step_that_fails_while_running_names_the_lost_state_and_a_restore_resumes(
     tmp_path,
 ) -> None:
@@ -501,6 +505,7 @@ multihost_utils.sync_global_devices("again")
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["raise", "exit", "child"])
 def test_the_launcher_names_a_worker_that_ends_at_once(tmp_path, mode) -> None:
     script = tmp_path / "worker.py"
@@ -530,6 +535,7 @@ def test_the_launcher_lets_a_run_that_ends_well_end(tmp_path) -> None:
     assert sum('"event": "leaving"' in line for line in output) == 2
 
 
+@pytest.mark.slow
 def test_a_busy_port_is_refused_or_retried(tmp_path, monkeypatch) -> None:
     with socket.socket() as busy:
         busy.bind(("localhost", 0))
@@ -574,6 +580,7 @@ def test_checksums_are_the_same_on_every_layout_and_see_every_bit() -> None:
     assert len(sums) == 3
 
 
+@pytest.mark.slow
 def test_the_finite_check_agrees_on_one_flag_per_split_gradient() -> None:
     """The step's guard adds to the collectives only booleans: none when every gradient is
     whole on every device (DP), at most one flag per split gradient array (FSDP); what moves
@@ -610,6 +617,7 @@ elif sys.argv[2] == "raise":
 )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("ending", "code"), [("open", 0), ("closed", 0), ("exit", 3), ("raise", 1)]
 )
@@ -689,6 +697,7 @@ def test_other_bad_arguments_are_named(tmp_path) -> None:
             trainer.train(lambda step, sharding, shape=shape: shape, 1)
 
 
+@pytest.mark.slow
 def test_an_optimizer_that_makes_a_non_finite_update_is_skipped_at_that_step() -> None:
     """The step tests the update the optimizer makes, not only the gradients: AdamW without
     its epsilon divides 0 by 0 for every row of the embedding no token of the batch used."""

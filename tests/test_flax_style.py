@@ -120,6 +120,7 @@ def explicit_mesh(shape: tuple[int, int]) -> jax.sharding.Mesh:
 # 1. both axis types
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("shape", [(8, 1), (1, 2), (4, 2)], ids=["FSDP", "TP", "FSDP+TP"])
 def test_an_explicit_model_trains_under_every_strategy_as_one_device(shape) -> None:
     mesh = explicit_mesh(shape)
@@ -137,6 +138,7 @@ def test_a_model_for_explicit_axes_on_auto_axes_is_refused_before_its_step() -> 
     assert trainer.step_count() == 0
 
 
+@pytest.mark.slow
 def test_a_model_for_auto_axes_on_explicit_axes_is_refused() -> None:
     fsdp = nx.auto_fsdp(F)
     mesh = nx.strategy_mesh(fsdp, explicit=True)
@@ -187,6 +189,7 @@ def test_a_mesh_of_mixed_axis_types_is_refused() -> None:
         nx.init_sharded(make(), nx.mesh_axis_rules(mesh), mesh)
 
 
+@pytest.mark.slow
 def test_explicit_meshes_initialise_checkpoint_and_restore_onto_other_rules(tmp_path) -> None:
     mesh = explicit_mesh((4, 2))
     model, layout = nx.init_sharded(make(), nx.mesh_axis_rules(mesh), mesh)
@@ -439,6 +442,7 @@ REPLICATION = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("devices", [1, 2, 3, 4, 6, 8])
 def test_replicated_bytes_and_replicated_agree_at_any_count(devices: int) -> None:
     done = run_python(REPLICATION.format(n=devices))
@@ -448,6 +452,7 @@ def test_replicated_bytes_and_replicated_agree_at_any_count(devices: int) -> Non
 # 5. the agreement criterion
 
 
+@pytest.mark.slow
 def test_a_missing_gradient_reduction_fails_the_agreement() -> None:
     mesh = nx.strategy_mesh(nx.DP)
 

@@ -155,6 +155,7 @@ def test_init_sharded_and_shard_take_raw_pytrees() -> None:
         nx.init_sharded(lambda: {"layers": []}, rules, mesh)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("make", "rules", "loss_fn"),
     [(make_annotated, BOTH, mse), (make_mlp, nx.auto_fsdp(), mlp_loss)],
@@ -185,6 +186,7 @@ def test_a_concrete_module_is_placed_and_trained() -> None:
     assert trainer.config is None  # no `cfg` dataclass: nothing to record unless given
 
 
+@pytest.mark.slow
 def test_checkpoints_of_foreign_models_restore_on_another_mesh(tmp_path) -> None:
     grads = nx.train.loss_and_grads
     trainer = nx.Trainer.create(

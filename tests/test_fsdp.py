@@ -51,6 +51,7 @@ def compiled(placed) -> dict[str, jax.stages.Compiled]:
     }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", MODES)
 def test_loss_and_gradients_equal_the_compilers(placed, reference, compiled, mode) -> None:
     model, tokens = placed
@@ -106,6 +107,7 @@ def test_the_remat_policy_saves_no_gathered_weight() -> None:
     assert sum(comm.GATHERED in line for line in theirs) == 6  # JAX 0.12 saves them anyway
 
 
+@pytest.mark.slow
 def test_training_equals_the_compilers_fsdp() -> None:
     def losses(rules, mesh, **options) -> list[float]:
         trainer = Trainer.create(create(CFG), adamw(), rules, mesh, dropout=False, **options)

@@ -43,6 +43,7 @@ def test_abstract_models_hold_no_memory() -> None:
     assert all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(state))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("name", "devices"), MESHES)
 def test_same_weights_on_every_mesh(reference, name: str, devices: int) -> None:
     mesh = strategy_mesh(RULE_SETS[name], devices)

@@ -38,6 +38,7 @@ def running(pid: int) -> bool:
     return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("processes", "devices"), [(2, 4), (4, 2)])
 def test_processes_form_one_run(processes, devices) -> None:
     output = launch(WORKER, processes, devices, timeout=120, echo=None)
@@ -60,6 +61,7 @@ def test_a_killed_worker_is_named_and_nothing_is_left() -> None:
     assert all(gone(worker.pid) for worker in run.workers)
 
 
+@pytest.mark.slow
 def test_a_run_over_its_timeout_is_stopped() -> None:
     run = start([*WORKER, "--hold", "60"], 2, 2, echo=None)
     with pytest.raises(LaunchError, match="exceeded its timeout of 10 s"):
@@ -77,6 +79,7 @@ def test_a_stop_request_stops_every_worker() -> None:
     assert all(gone(worker.pid) for worker in run.workers)
 
 
+@pytest.mark.slow
 def test_the_command_line_exits_non_zero_and_says_why() -> None:
     second_fails = "import os, sys; sys.exit(3 if os.environ['NNXSCALE_PROCESS_ID'] == '1' else 0)"
     done = run([*PROGRAM, "launch", "-n", "2", "--devices", "1", "--",
@@ -85,6 +88,7 @@ def test_the_command_line_exits_non_zero_and_says_why() -> None:
     assert "launch failed: process 1 (pid" in done.text and "exit status 3" in done.text
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(sys.platform != "linux", reason="workers follow the launcher through Linux")
 @pytest.mark.parametrize("stop", [signal.SIGKILL, signal.SIGTERM], ids=["SIGKILL", "SIGTERM"])
 def test_workers_die_with_the_launcher(stop: signal.Signals) -> None:

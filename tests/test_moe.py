@@ -71,6 +71,7 @@ def test_dispatched_equals_the_dense_reference(top_k) -> None:
     assert jnp.abs(y - reference).max() < 1e-5
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("devices", [2, 4, 8])
 @pytest.mark.parametrize("top_k", [1, 2])
 def test_expert_parallelism_by_hand_equals_one_device(devices, top_k) -> None:
@@ -138,6 +139,7 @@ def moe_trainer(rules, devices=None):
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["EP", "FSDP+EP"])
 def test_one_step_under_expert_parallelism_equals_one_device(name) -> None:
     import optax
@@ -202,6 +204,7 @@ def test_largest_is_top_k_in_values_order_ties_and_gradients(k) -> None:
     assert (grads[0] == grads[1]).all()
 
 
+@pytest.mark.slow
 def test_hand_written_strategies_refuse_a_mixture_of_experts() -> None:
     import nnxscale as nx
     from nnxscale import fsdp, pipeline, schedules

@@ -42,6 +42,7 @@ def test_a_run_that_cannot_be_shared_is_refused(args, message) -> None:
         planned(*args)
 
 
+@pytest.mark.slow
 def test_the_plan_is_what_the_workers_report_and_each_writes_its_shards(tmp_path) -> None:
     """Two processes of one device each train and save; their `Start` events are the plan
     (device ids by position), and each wrote half of every array split over both devices,

@@ -24,6 +24,7 @@ def operands(n: int, rows: int = 8) -> tuple[jax.Array, jax.Array]:
     return x, w
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("n", [1, 2, 3, 8])
 def test_the_collective_matmul_equals_the_gathered_product(n: int) -> None:
     mesh = nx.make_mesh((n,), ("model",), devices=jax.devices()[:n])

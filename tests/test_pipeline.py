@@ -89,6 +89,7 @@ CASES = [
 IDS = [f"{s.name}-p{s.devices}-m{s.micro_batches}-fsdp{f}" for s, (_, f) in CASES]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("schedule", "shape"), CASES, ids=IDS)
 def test_pipelined_gradients_equal_the_unpipelined(reference, schedule, shape) -> None:
     mesh = pipeline.pipeline_mesh(*shape)
@@ -154,6 +155,7 @@ def test_receive_fills_the_slot_the_table_names_or_nothing() -> None:
     np.testing.assert_array_equal(kept, buffer)
 
 
+@pytest.mark.slow
 def test_stages_compute_only_their_part() -> None:
     schedule, mesh = zero_bubble(4, 8), pipeline.pipeline_mesh(4)
     run = jax.jit(lambda m, t: pipeline.loss_and_grads(m, t, schedule, mesh))
@@ -179,6 +181,7 @@ def test_stages_compute_only_their_part() -> None:
     ]
 
 
+@pytest.mark.slow
 def test_memory_follows_the_slots_the_table_keeps() -> None:
     mesh, act = pipeline.pipeline_mesh(4), 2 * 32 * CFG.embed * 4  # a micro-batch's stage input
     bases = {}
@@ -196,6 +199,7 @@ def test_memory_follows_the_slots_the_table_keeps() -> None:
     assert bases["GPipe"] == bases["1F1B"]  # the same branches, only the slots differ
 
 
+@pytest.mark.slow
 def test_training_through_the_pipeline_equals_one_device() -> None:
     one = Trainer.create(create(CFG), adamw(), DP, strategy_mesh(DP, 1), dropout=False)
     batches = book_batches(batch_size=16)

@@ -43,6 +43,7 @@ def profiled(fsdp: nx.Trainer, tmp_path_factory: pytest.TempPathFactory) -> prof
     return profiles.profile(fsdp, batches, probe, directory=tmp_path_factory.mktemp("trace"))
 
 
+@pytest.mark.slow
 def test_a_profile_of_fsdp_holds_every_device_and_every_kind_of_op(
     profiled: profiles.Profile, fsdp: nx.Trainer
 ) -> None:
@@ -84,6 +85,7 @@ def one_device_step(cfg: nx.Config) -> object:
     return trainer.compile(trainer.batch(nx.book_batches(8, cfg.max_len)))
 
 
+@pytest.mark.slow
 def test_the_ops_bytes_and_flops_are_xlas_on_one_device() -> None:
     program = one_device_step(CFG)
     table = profiles.costs(program)
@@ -96,6 +98,7 @@ def test_the_ops_bytes_and_flops_are_xlas_on_one_device() -> None:
     assert flops <= xla["flops"] <= 1.1 * flops
 
 
+@pytest.mark.slow
 def test_loop_trip_counts_multiply_the_ops_of_a_scanned_model() -> None:
     cfg = CFG.replace(scan_layers=True)
     program = one_device_step(cfg)

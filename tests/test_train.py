@@ -48,6 +48,7 @@ def weights(run: Trainer) -> list[np.ndarray]:
     return [np.asarray(x) for x in jax.tree.leaves(nnx.state(run.model(), nnx.Param))]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("rules", [DP, FSDP, TP, FSDP_TP], ids=lambda r: r.name)
 def test_every_strategy_matches_one_device(single, rules) -> None:
     losses, reference = single
@@ -72,6 +73,7 @@ def test_fsdp_state_is_split_over_all_devices() -> None:
     assert run.layout.bytes_per_device() * 8 == run.layout.total_bytes() + 7 * replicated
 
 
+@pytest.mark.slow
 def test_the_step_donates_the_state() -> None:
     run = trainer(FSDP)
     compiled = run.compile(run.batch(BATCHES))
@@ -79,6 +81,7 @@ def test_the_step_donates_the_state() -> None:
     assert run.compile(run.batch(BATCHES, 1)) is compiled  # compiled once, then reused
 
 
+@pytest.mark.slow
 def test_accumulating_micro_batches_equals_the_whole_batch() -> None:
     model = create(TINY)
     tokens = BATCHES.rows(0)
@@ -97,6 +100,7 @@ def test_micro_batches_too_small_for_the_data_axis() -> None:
         run.train(BATCHES, 1)
 
 
+@pytest.mark.slow
 def test_accumulated_training_follows_whole_batch_training() -> None:
     batches = Batches(BATCHES.tokens, batch_size=32, length=32)
     whole = trainer(FSDP, dropout=False)
@@ -150,6 +154,7 @@ def test_largest_difference_reads_keys_and_any_devices() -> None:
     assert largest_difference(a, a) == 0.0
 
 
+@pytest.mark.slow
 def test_a_batch_of_another_shape_gets_its_own_program() -> None:
     """One program per kind of batch (shapes, dtypes, shardings): a shorter batch compiles
     its own step instead of being fed to the first one, and the first is reused after it."""
@@ -180,6 +185,7 @@ def test_an_unknown_option_names_the_known_ones() -> None:
         trainer(DP, devices=1, micro_batch=2)
 
 
+@pytest.mark.slow
 def test_one_options_object_reaches_the_step() -> None:
     """The options given to `create` are the trainer's, unchanged, and its programs use them:
     with activations=False the model's activation constraints are not in the program."""
@@ -226,6 +232,7 @@ def test_evaluations_compile_with_the_trainer_s_options() -> None:
         run.evaluate(run.state, run.batch(BATCHES))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("rules", [DP, FSDP_TP], ids=lambda r: r.name)
 def test_the_transformer_trains_alike_on_explicit_and_auto_axes(rules) -> None:
     """On Explicit axes every product and lookup of the model says where its output goes;
@@ -250,6 +257,7 @@ def test_cross_entropy_on_a_split_vocabulary_picks_by_one_hot_on_explicit_axes()
     np.testing.assert_allclose(got, cross_entropy(logits, targets), rtol=1e-6)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("rules", [DP, FSDP], ids=lambda r: r.name)
 def test_unreduced_gradients_are_reduced_once_per_step(rules) -> None:
     """With 4 micro-batches the library's step reduces about 4 P bytes of gradients (inside

@@ -55,22 +55,22 @@ def plot_fsdp_timeline(layer_bytes: Sequence[int], gather_again: bool) -> Figure
     rows = {"communication": 0, "computation": 1}
     colours = {"all-gather": "C0", "reduce-scatter": "C3", "forward": "C2", "backward": "C1"}
 
-    def box(row: str, start: float, width: float, kind: str, label: str) -> None:
+    def span(row: str, start: float, width: float, kind: str, label: str) -> None:
         box(ax, start, rows[row] - 0.4, width, 0.8, colours[kind], label)
 
     for i, size in enumerate(layer_bytes):
-        box("communication", t, size / unit, "all-gather", f"AG{i}")
+        span("communication", t, size / unit, "all-gather", f"AG{i}")
         t += size / unit
-        box("computation", t, 1.0, "forward", f"F{i}")
+        span("computation", t, 1.0, "forward", f"F{i}")
         t += 1.0
     for i in reversed(range(layers)):
         size = layer_bytes[i] / unit
         if gather_again:
-            box("communication", t, size, "all-gather", f"AG{i}")
+            span("communication", t, size, "all-gather", f"AG{i}")
             t += size
-        box("computation", t, 2.0, "backward", f"B{i}")
+        span("computation", t, 2.0, "backward", f"B{i}")
         t += 2.0
-        box("communication", t, size, "reduce-scatter", f"RS{i}")
+        span("communication", t, size, "reduce-scatter", f"RS{i}")
         t += size
     ax.set_xlim(0, t)
     ax.set_ylim(1.6, -0.6)
