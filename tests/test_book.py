@@ -137,7 +137,7 @@ def test_rebuilds_execute_again_when_needed_and_failures_fail(tmp_path: Path) ->
     assert "A sentence added to the prose." in html
 
     # A change to the library alone re-executes the chapters.
-    module = book / "src" / "nnxscale" / "comm.py"
+    module = book / "src" / "nnxscale" / "analysis" / "comm.py"
     module.write_text(module.read_text() + "\n# touched\n")
     library = jupyter_book("build", ".", cwd=book)
     assert library.returncodes == [0] and executed(library)
