@@ -14,9 +14,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from nnxscale.placement.layout import Layout, activation_rules
-from nnxscale.placement.mesh import (
-    axis_type_error,
-)
+from nnxscale.placement.mesh import axis_type_error
 
 
 @cache
