@@ -439,13 +439,13 @@ def calculator_grid() -> list[dict]:
     """Every planned strategy on every device, for three dense models and two mixtures of
     experts, clusters and setups (each with its remat policies and two micro-batch counts):
     over 500 inputs, some that cannot run."""
-    from nnxscale import costs
+    from nnxscale import configs, costs
     from nnxscale.costs.planner import EXPERT_PLANNED, PLANNED
 
     dense = {"experts": 0, "top_k": 1, "capacity_factor": 2.0}
-    small = dict(vocab=96, embed=48, heads=6, head_dim=8, mlp=80, layers=6, **dense)
-    mixtral = {k: getattr(costs.SEVEN_B, k) for k in SIZES}
-    mixtral.update(mlp=21504, experts=8, top_k=2, capacity_factor=1.25)
+    small = dict(vocab=96, embed=48, heads=6, kv_heads=3, head_dim=8, mlp=80, layers=6, **dense)
+    mixtral = {k: getattr(configs.MIXTRAL_8X7B, k) for k in SIZES}
+    mixtral.update(experts=8, top_k=2, capacity_factor=1.25)
     switch = dict(small, experts=4, top_k=1, capacity_factor=1.5)
     every, two = list(costs.HARDWARE), ["H100", "TPU v5p"]
     clusters = [
@@ -487,7 +487,7 @@ def calculator_grid() -> list[dict]:
     ]  # fmt: skip
 
 
-SIZES = ("vocab", "embed", "heads", "head_dim", "mlp", "layers")
+SIZES = ("vocab", "embed", "heads", "kv_heads", "head_dim", "mlp", "layers")
 
 
 def test_the_calculator_computes_what_the_library_computes(browser, site: str) -> None:

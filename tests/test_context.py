@@ -242,7 +242,9 @@ def test_bad_input_is_named_with_its_fix() -> None:
     short = q[:, :16]
     with pytest.raises(context.ContextError, match="splits it over None"):
         context.ring_attention(short, short, short, mesh, ring, spec=P())
-    with pytest.raises(context.ContextError, match=r"of one shape .* grouped-query"):
+    with pytest.raises(
+        context.ContextError, match=r"keys and values of one shape .* kv_heads dividing heads"
+    ):
         context.ring_attention(short, short[:, :, :1], short, mesh, ring)
     with pytest.raises(context.ContextError, match="blocks of 3 tokens do not cut the chunks"):
         context.ring_attention(short, short, short, mesh, ring, block=3)
@@ -408,3 +410,65 @@ def test_evaluation_runs_under_the_same_rules() -> None:
         abs(float(cp.evaluate(cp.state, batch)) - float(single.evaluate(single.state, batch)))
         < 1e-5
     )
+
+
+def grouped_arrays(length: int, kv: int):
+    keys = jax.random.split(jax.random.key(1), 4)
+    q = jax.random.normal(keys[0], (B, length, H, D), jnp.float32)
+    k, v = (jax.random.normal(x, (B, length, kv, D), jnp.float32) for x in keys[1:3])
+    w = jax.random.normal(keys[3], (B, length, H, D), jnp.float32)
+    return q, k, v, w
+
+
+def dense_grouped(q, k, v):
+    """Grouped-query attention by repeating each key/value head for its query heads."""
+    groups = q.shape[2] // k.shape[2]
+    return dense(q, jnp.repeat(k, groups, axis=2), jnp.repeat(v, groups, axis=2))
+
+
+@pytest.mark.parametrize(("length", "kv", "block"), [(64, 2, None), (64, 1, 16), (37, 4, 8)])
+def test_flash_attention_equals_dense_attention_with_grouped_heads(length, kv, block) -> None:
+    """One device's blockwise kernel, keys and values read by their groups of query heads,
+    and a length the block does not divide (padded with keys no query sees): output and
+    gradients equal dense attention to float32 rounding (sums of 64 products in another
+    order, values of order 1)."""
+    q, k, v, w = grouped_arrays(length, kv)
+    got = output_and_grads(partial(context.flash_attention, block=block), q, k, v, w)
+    want = output_and_grads(dense_grouped, q, k, v, w)
+    assert got[2].shape == k.shape and got[3].shape == v.shape
+    assert largest_gap(got, want) < 2e-5
+
+
+def test_ring_attention_reads_grouped_heads_as_dense_attention_does() -> None:
+    q, k, v, w = grouped_arrays(64, 2)
+    got = output_and_grads(ring_in_order(4), q, k, v, w)
+    want = output_and_grads(dense_grouped, q, k, v, w)
+    assert largest_gap(got, want) < 2e-5
+
+
+def test_flash_attention_skips_the_masked_blocks_and_keeps_no_scores() -> None:
+    """Eight blocks: 36 of the 64 block pairs scored, the formula's (s^2 + s b) / 2 pairs;
+    the backward's temporaries hold a few blocks of scores whatever the length."""
+    block = 16
+
+    def compiled(length):
+        q, k, v, _ = (jax.ShapeDtypeStruct(x.shape, x.dtype) for x in grouped_arrays(length, 2))
+        loss = partial(context.flash_attention, block=block)
+        grad = jax.grad(lambda *a: loss(*a).sum(), argnums=(0, 1, 2))
+        return jax.jit(grad).lower(q, k, v).compile()
+
+    program = compiled(8 * block)
+    s = 8 * block
+    pairs = (s * s + s * block) // 2
+    assert nx.hlo.dot_flops(program) == 14 * B * H * D * pairs  # 4 forward, 10 backward
+    temps = [compiled(n).memory_analysis().temp_size_in_bytes for n in (8 * block, 32 * block)]
+    assert temps[1] < 4.5 * temps[0]  # four times the tokens: linear, not 16 times
+
+
+def test_the_models_step_grows_linearly_with_the_sequence() -> None:
+    """Beyond one block (512 tokens) the kernel's working set stays the same size; up to it,
+    the one block is the whole sequence and grows with its square."""
+    temps = nx.growth.step_temporaries(nx.TINY, [1024, 2048, 4096])
+    assert max(nx.growth.growth(temps)) <= 2.2
+    short = nx.growth.step_temporaries(nx.TINY, [256, 512])
+    assert nx.growth.growth(short)[0] > 2.2

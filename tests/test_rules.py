@@ -65,7 +65,7 @@ def test_bytes_per_device_against_the_ideal() -> None:
     state = params()
     dp = resolve(state, DP, mesh_for((8, 1)))
     fsdp = resolve(state, FSDP, mesh_for((8, 1)))
-    assert dp.bytes_per_device() == dp.total_bytes() == 4 * 117_056
+    assert dp.bytes_per_device() == dp.total_bytes() == 4 * 139_584
     assert fsdp.bytes_per_device() * 8 == fsdp.total_bytes()  # every TINY dimension divides
     tp = resolve(state, TP, mesh_for((4, 2)))
     assert tp.bytes_per_device() == (tp.total_bytes() + tp.replicated_bytes()) // 2
@@ -83,14 +83,14 @@ def test_fallbacks_are_tried_in_order_and_explained() -> None:
 
 
 def test_strict_rules_refuse_an_indivisible_dimension() -> None:
-    with pytest.raises(RuleError, match=r"blocks/0/attention/key: dimension heads=3 .*strict"):
-        resolve(params(TINY.replace(heads=3)), TP.replace(strict=True), mesh_for((4, 2)))
+    with pytest.raises(RuleError, match=r"blocks/0/attention/key: dimension kv_heads=1 .*strict"):
+        resolve(params(TINY.replace(kv_heads=1)), TP.replace(strict=True), mesh_for((4, 2)))
 
 
 def test_unknown_logical_axis_names_the_array_and_the_fix() -> None:
     rules = Rules("partial", {"embed": ("data",)})
     with pytest.raises(
-        RuleError, match=r"blocks/0/attention/key: logical axis 'heads' .*'heads': \(\)"
+        RuleError, match=r"blocks/0/attention/key: logical axis 'kv_heads' .*'kv_heads': \(\)"
     ):
         resolve(params(), rules, mesh_for((8, 1)))
 

@@ -1,7 +1,8 @@
 """What a training step keeps for its backward pass, calibrated against JAX's autodiff.
 
 The book's Transformer is traced once, abstractly, with every size a different prime (2
-sequences of 3 tokens, 5 heads of 7, width 11, MLP 13, vocabulary 17, 19 layers). Each array
+sequences of 3 tokens, 5 key/value heads of 2 x 53 dimensions, each read by 43 query heads, width
+11, MLP 13, vocabulary 17, 19 layers). Each array
 autodiff keeps (`nnxscale.memory.residual_arrays`) then factors into those primes, which
 names its shape: an array of 2 x 5 x 3 x 3 float32 values is `4 * batch * heads * seq^2`
 bytes, the attention probabilities. The sum over arrays is a `Formula` that holds for any
@@ -18,6 +19,9 @@ A mixture of experts is traced with 37 experts whose capacity per group is itsel
 dimensions too. Its routing places the k choices of each token in a scan, so what it keeps
 per choice is stacked along a dimension of k, and a trace at k = 23 names it `top_k`. A
 mixture with one choice is traced at k = 1 (its gates are not renormalised).
+
+Attention keeps its queries grouped by key/value head (`nnxscale.context.grouped`): a
+dimension of 43 is `groups`, and `kv_heads` x `groups` is read back as `heads`.
 """
 
 from __future__ import annotations
@@ -39,23 +43,29 @@ from nnxscale.model.transformer import Config, create, remat_policy
 from nnxscale.placement.layout import activation_rules
 from nnxscale.placement.rules import CONTEXT, CP
 
+GROUPS = 43
+"""Query heads per key/value head in the traced model: `heads` is `kv_heads` x 43."""
+
 PRIMES = {
     "batch": 2,
     "seq": 3,
-    "heads": 5,
-    "head_dim": 7,
+    "kv_heads": 5,
+    "heads": 5 * GROUPS,
+    "head_dim": 2 * 53,
     "embed": 11,
     "mlp": 13,
     "vocab": 17,
     "layers": 19,
 }
-"""The size each dimension takes in the traced model: distinct primes, so that every array's
-shape factors into the dimensions it is made of."""
+"""The size each dimension takes in the traced model: distinct primes (`head_dim` twice one,
+since rotary embeddings turn pairs; a dimension is matched to the largest size first), so
+that every array's shape factors into the dimensions it is made of."""
 
 RING_PRIMES = {
     "batch": 29,
-    "heads": 5,
-    "head_dim": 31,
+    "kv_heads": 5,
+    "heads": 5 * GROUPS,
+    "head_dim": 2 * 31,
     "embed": 11,
     "mlp": 13,
     "vocab": 17,
@@ -160,10 +170,15 @@ def _traced(
     else:
         arrays = residual_arrays(loss, params, tokens, key)
     found: Traced = {}
+    units = {**units, "groups": GROUPS}
     for array in arrays:
         names: Counter[str] = Counter()
         for size in array.shape:
             names.update(factor(size, units))
+        while names["groups"] and names["kv_heads"]:  # queries grouped by key/value head
+            names.subtract({"groups": 1, "kv_heads": 1})
+            names["heads"] += 1
+        names = +names
         layers = names.pop("layers", 0)
         stacked = names.pop(CONTEXT, 0)  # one block per ring device: what one device keeps
         if layers > 1 or stacked > 1:

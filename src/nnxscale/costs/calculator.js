@@ -38,6 +38,7 @@
 
   // nnxscale.costs.mixture_problem
   function mixtureProblem(cfg) {
+    if (!(cfg.kv_heads >= 1) || cfg.heads % cfg.kv_heads) return `kv_heads=${cfg.kv_heads} does not divide heads=${cfg.heads}: each key/value head serves a whole group of query heads`;
     if (cfg.experts < 0) return `experts=${cfg.experts}: use 0 for a dense MLP or a positive number of experts`;
     if (cfg.experts && !(1 <= cfg.top_k && cfg.top_k <= cfg.experts)) return `top_k=${cfg.top_k} with ${cfg.experts} experts: use 1 <= top_k <= ${cfg.experts}`;
     if (cfg.experts && !(cfg.capacity_factor > 0)) return "the capacity factor must be positive";
@@ -101,10 +102,11 @@
     return cfg.experts ? Math.min(cfg.top_k, 2) : 0;
   }
 
-  function modelSizes(cfg, seq) {
+  function modelSizes(spec, cfg, seq) {
     const sizes = {};
-    for (const name of ["vocab", "embed", "heads", "head_dim", "mlp", "layers", "experts", "top_k"]) sizes[name] = cfg[name];
+    for (const name of ["vocab", "embed", "heads", "kv_heads", "head_dim", "mlp", "layers", "experts", "top_k"]) sizes[name] = cfg[name];
     sizes.max_len = seq;
+    sizes.block = Math.min(seq, spec.constants.BLOCK);
     sizes.capacity = cfg.experts ? Math.max(1, Math.ceil((cfg.capacity_factor * cfg.top_k * seq) / cfg.experts)) : 0;
     return sizes;
   }
@@ -118,7 +120,7 @@
     const problem = mixtureProblem(cfg) || (kind in s.mlp ? "" : s.unpriced);
     if (problem) return { reason: problem, mesh };
     const c = s.mlp[kind][remat in s.mlp[kind] ? remat : Object.keys(s.mlp[kind])[0]];
-    const sizes = Object.assign(modelSizes(cfg, seq), { batch, seq, micro }, mesh);
+    const sizes = Object.assign(modelSizes(spec, cfg, seq), { batch, seq, micro }, mesh);
     const reason = unsuitable(c, sizes, mesh, batch, seq, micro);
     if (reason) return { reason, mesh };
     const memory = {};
@@ -171,7 +173,7 @@
     const n = (name) => Number(form.elements[name].value);
     const render = () => {
       const cfg = {};
-      for (const name of ["vocab", "embed", "heads", "head_dim", "mlp", "layers", "experts", "top_k", "capacity_factor"]) cfg[name] = n(name);
+      for (const name of ["vocab", "embed", "heads", "kv_heads", "head_dim", "mlp", "layers", "experts", "top_k", "capacity_factor"]) cfg[name] = n(name);
       const hw = spec.hardware.find((h) => h.name === form.elements.hardware.value);
       const degrees = {};
       for (const name of Object.values(spec.degrees)) degrees[name] = n(name);

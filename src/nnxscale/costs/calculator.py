@@ -22,6 +22,7 @@ from nnxscale.costs.counts import SEVEN_B, STATE_BYTES, Setup
 from nnxscale.costs.derive import derive, unpriced
 from nnxscale.costs.hardware import EFFICIENCY, HARDWARE
 from nnxscale.costs.planner import EXPERT_PLANNED, HEADROOM, PLANNED, REMATS
+from nnxscale.model.context import BLOCK
 from nnxscale.model.transformer import Config
 from nnxscale.placement.rules import STRATEGIES, Rules
 
@@ -94,6 +95,7 @@ def spec() -> dict[str, Any]:
             "EFFICIENCY": EFFICIENCY,
             "HEADROOM": HEADROOM,
             "STATE_BYTES": STATE_BYTES,
+            "BLOCK": BLOCK,
         },
         "parameters": {
             str(moe): derive(STRATEGIES["DP"], DTYPE, False, moe).state["parameters"].json()
@@ -110,6 +112,7 @@ FIELDS = (
     ("vocab", "vocabulary"),
     ("embed", "embed (E)"),
     ("heads", "heads (H)"),
+    ("kv_heads", "key/value heads (K)"),
     ("head_dim", "head dim (D)"),
     ("mlp", "MLP width (F)"),
     ("layers", "layers (L)"),

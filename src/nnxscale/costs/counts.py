@@ -1,5 +1,5 @@
 """The model's sizes as the cost model counts them: parameters, products and FLOPs per step,
-activation bytes per token, the reference 7B and 70B models, and a strategy's `Setup`."""
+activation bytes per token, the reference 8B and 70B models, and a strategy's `Setup`."""
 
 from __future__ import annotations
 
@@ -8,6 +8,8 @@ import math
 from collections.abc import Mapping
 
 from nnxscale.costs.formula import Formula
+from nnxscale.model.configs import LLAMA3_8B, LLAMA3_70B
+from nnxscale.model.context import BLOCK
 from nnxscale.model.moe import capacity
 from nnxscale.model.transformer import Config, remat_policy
 from nnxscale.placement.rules import RuleError, Rules
@@ -33,9 +35,9 @@ SIZES = {
     "vocab": "vocab",
     "embed": "embed",
     "heads": "heads",
+    "kv_heads": "kv_heads",
     "head_dim": "head_dim",
     "mlp": "mlp",
-    "length": "max_len",
     "layers": "layers",
     "experts": "experts",
 }
@@ -48,22 +50,25 @@ class Counts:
 
     total: int
     matmul: int
-    """In matrix products: everything but the embedding tables (looked up) and the norms."""
+    """In matrix products: everything but the token embeddings (looked up, unless the head
+    reads them) and the norms."""
 
 
 def counts(cfg: Config) -> Counts:
-    """Parameter counts of the Transformer `cfg` describes, by formula (a mixture of experts:
-    a router and `experts` MLPs in place of each MLP)."""
-    e, v = cfg.embed, cfg.vocab
-    attention = 4 * e * cfg.heads * cfg.head_dim
-    mlp = 2 * e * cfg.mlp
+    """Parameter counts of the Transformer `cfg` describes, by formula: grouped-query
+    attention (queries and output over `heads`, keys and values over `kv_heads`), a SwiGLU
+    MLP of three matrices (a mixture of experts: a router and `experts` of them), two norms
+    per layer (and two of `head_dim` with QK-norm), the final norm, the embeddings and, unless
+    tied, the head."""
+    e, v, d = cfg.embed, cfg.vocab, cfg.head_dim
+    attention = 2 * e * d * (cfg.heads + cfg.kv_heads)
+    mlp = 3 * e * cfg.mlp
     if cfg.experts:
         mlp = cfg.experts * mlp + e * cfg.experts
-    layers = cfg.layers * (attention + mlp + 2 * e)
-    return Counts(
-        total=v * e + cfg.max_len * e + layers + e + e * v,
-        matmul=cfg.layers * (attention + mlp) + e * v,
-    )
+    norms = 2 * e + (2 * d if cfg.qk_norm else 0)
+    layers = cfg.layers * (attention + mlp + norms)
+    head = 0 if cfg.tie_embeddings else e * v
+    return Counts(total=v * e + layers + e + head, matmul=cfg.layers * (attention + mlp) + e * v)
 
 
 def activation_bytes(
@@ -75,19 +80,22 @@ def activation_bytes(
     remat: bool = False,
     context: int = 1,
     sequence_parallel: bool = False,
-    flash: bool = False,
+    flash: bool = True,
 ) -> float:
     """The least a backward pass needs, by the textbook count: per layer and token the inputs
-    of its products and nonlinearities, 4E + 4HD + 2F + H s values (tensor-parallel parts
-    split over `model`; sequence parallelism splits the residual stream's 4E too; a `flash`
-    attention keeps no scores), plus the head's; with remat each layer's input and one layer
-    rebuilt. What a compiled program keeps lies above it: the ledger uses `Costs.activations`,
-    calibrated on autodiff, and chapter 12 compares the two."""
+    of its products and nonlinearities, 4E + 2HD + 2KD + 3F values (two norms' inputs and
+    outputs; queries and output, keys and values; the SwiGLU's gate, up and hidden; tensor-
+    parallel parts split over `model`, and under sequence parallelism the residual stream's
+    4E too), plus H s scores for an attention that keeps them (`flash=False`: the book's
+    blockwise attention keeps none), plus the head's; with remat each layer's input and one
+    layer rebuilt. What a compiled program keeps lies above it: the ledger uses
+    `Costs.activations`, calibrated on autodiff, and chapter 12 compares the two."""
     tokens = sequences * seq / context
     width = DTYPE_BYTES[cfg.compute_dtype]
     residual = 4 * cfg.embed / (model if sequence_parallel else 1)
     scores = 0 if flash else cfg.heads * seq
-    values = residual + (4 * cfg.heads * cfg.head_dim + 2 * cfg.mlp + scores) / model
+    heads = 2 * (cfg.heads + cfg.kv_heads) * cfg.head_dim
+    values = residual + (heads + 3 * cfg.mlp + scores) / model
     layer = tokens * values * width
     head = tokens * (2 * cfg.embed * width + cfg.vocab / model * LOGIT_BYTES)
     if remat:
@@ -98,7 +106,8 @@ def activation_bytes(
 
 def step_flops(cfg: Config, sequences: float, seq: int, *, remat: bool | str = False) -> float:
     """FLOPs of one training step's matrix products over all devices (`products`): for a dense
-    model 3 x the forward pass's, 6 x parameters x tokens plus attention's 12 L b s^2 H D."""
+    model 6 x parameters x tokens plus the blockwise attention's 7 L b H D (s^2 + s block)
+    (the block pairs under the causal mask, 2.5 times again backward)."""
     sizes = {**model_sizes(cfg, seq), "batch": sequences, "seq": seq}
     return product_flops(remat_policy(remat), bool(cfg.experts))(sizes)
 
@@ -108,9 +117,20 @@ def model_sizes(cfg: Config, seq: int) -> dict[str, float]:
     tokens (`capacity`) for a mixture of experts."""
     sizes: dict[str, float] = {
         name: getattr(cfg, name)
-        for name in ("vocab", "embed", "heads", "head_dim", "mlp", "layers", "max_len", "experts")
+        for name in (
+            "vocab",
+            "embed",
+            "heads",
+            "kv_heads",
+            "head_dim",
+            "mlp",
+            "layers",
+            "max_len",
+            "experts",
+        )
     }
     sizes["top_k"] = cfg.top_k
+    sizes["block"] = min(seq, BLOCK)
     sizes["capacity"] = (
         capacity(seq, cfg.experts, cfg.top_k, cfg.capacity_factor) if cfg.experts else 0
     )
@@ -179,13 +199,14 @@ class Setup:
 class Product:
     """One kind of matrix product of the step: its forward FLOPs over all devices, the
     products its backward pass makes of it (2: the input's gradient and the weight's; 1 where
-    only one operand is differentiated), and whether full remat and the `dots` policy compute
+    only one operand is differentiated; 2.5 for attention's, whose custom VJP scores each
+    block pair again), and whether full remat and the `dots` policy compute
     it again (`dots` keeps products with no batch dimensions; full remat keeps nothing, but
     a layer's last product, whose output its backward pass does not read)."""
 
     name: str
     forward: Formula
-    backward: int
+    backward: float
     full: bool
     dots: bool
 
@@ -196,21 +217,26 @@ def products(moe: bool = False) -> tuple[Product, ...]:
     (whose backward pass differentiates the tokens alone) and summed back by the combine."""
 
     def product(
-        name: str, sizes: str, flops: int, backward: int, full: bool, dots: bool
+        name: str, sizes: str, flops: int, backward: float, full: bool, dots: bool
     ) -> Product:
         formula = Formula.product(sizes.split(), flops)
         return Product(name, formula, backward, full, dots)
 
     tokens = "layers batch seq"
+    weights = product("", f"{tokens} embed heads head_dim", 4, 2, True, False).forward
+    weights += product("", f"{tokens} embed kv_heads head_dim", 4, 2, True, False).forward
+    # the blockwise kernel scores the block pairs on and under the diagonal: (s^2 + s x block)/2
+    scores = product("", f"{tokens} seq heads head_dim", 2, 2, True, True).forward
+    scores += product("", f"{tokens} block heads head_dim", 2, 2, True, True).forward
     attention = (
-        product("attention weights", f"{tokens} embed heads head_dim", 8, 2, True, False),
-        product("attention scores", f"{tokens} seq heads head_dim", 4, 2, True, True),
+        Product("attention weights", weights, 2, True, False),
+        Product("attention scores", scores, 2.5, True, True),
     )
     head = product("head", "batch seq embed vocab", 2, 2, False, False)
     if not moe:
         return (
             *attention,
-            product("MLP up", f"{tokens} embed mlp", 2, 2, True, False),
+            product("MLP gate and up", f"{tokens} embed mlp", 4, 2, True, False),
             product("MLP down", f"{tokens} embed mlp", 2, 2, False, False),
             head,
         )
@@ -219,7 +245,7 @@ def products(moe: bool = False) -> tuple[Product, ...]:
         *attention,
         product("router", f"{tokens} embed experts", 2, 2, True, False),
         product("dispatch", slots, 2, 1, True, True),
-        product("experts", "layers batch experts capacity embed mlp", 4, 2, True, True),
+        product("experts", "layers batch experts capacity embed mlp", 6, 2, True, True),
         product("combine", slots, 2, 2, False, False),
         head,
     )
@@ -251,20 +277,9 @@ def mixture_problem(cfg: Config) -> str:
     return ""
 
 
-SEVEN_B = Config(
-    vocab=32000,
-    embed=4096,
-    heads=32,
-    head_dim=128,
-    mlp=16384,
-    layers=32,
-    max_len=4096,
-    dropout=0.0,
-    scan_layers=True,
-    compute_dtype="bfloat16",
-)
-"""A 6.7 B-parameter model of the book's architecture (GPT-3 6.7B's shape)."""
+SEVEN_B = LLAMA3_8B
+"""The book's 8 B-parameter reference model: Llama 3 8B (`nnxscale.configs`)."""
 
 
-SEVENTY_B = SEVEN_B.replace(embed=8192, heads=64, mlp=36864, layers=80)
-"""A 70 B-parameter model of the book's architecture."""
+SEVENTY_B = LLAMA3_70B
+"""The book's 70 B-parameter reference model: Llama 3 70B."""

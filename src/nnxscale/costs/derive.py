@@ -58,6 +58,8 @@ class Costs:
     activations: Formula
     weights: Formula
     rebuilt: Formula
+    """What one layer holds again while its backward pass runs: with remat its activations
+    rebuilt, and the attention kernel's working set (`WORKSPACE`)."""
     gradients: Formula
     layer_gradients: Formula
     """One layer's gradients as its backward pass makes them, before any reduction."""
@@ -167,6 +169,12 @@ def _held(arrays: list[PlacedArray]) -> tuple[dict[str, Formula], Formula, Formu
     return state, gradients, head_gradients, tuple(sorted(splits))
 
 
+WORKSPACE = Formula.product(["batch", "heads", "block", "block"], 4 * 4)
+"""What the blockwise attention's backward pass holds while it runs one layer: about four
+float32 arrays of one block pair's scores (the scores, probabilities and their gradients),
+measured on the compiled kernel; it grows with the block, not with the sequence."""
+
+
 def _kept(
     rules: Rules, arrays: list[PlacedArray], compute_dtype: str, policy: str | None, moe: int
 ) -> tuple[Formula, Formula, Formula]:
@@ -185,7 +193,7 @@ def _kept(
     if copies:
         weights = split_by(k.weights * "layers" + k.head_weights, rules, weights=True)
     rebuilt = per_micro_batch(
-        split_by(k.rebuilt, rules) if ring is None else _local(k.rebuilt, rules)
+        split_by(k.rebuilt + WORKSPACE, rules) if ring is None else _local(k.rebuilt, rules)
     )
     if policy and copies:
         rebuilt += split_by(kept(compute_dtype).weights, rules, weights=True)
@@ -260,16 +268,17 @@ def _extra(
 
 
 def _ring_flops(policy: str | None, ring: str | None) -> Formula:
-    """Attention's FLOPs per step over all devices. Dense: every query-key pair, forward,
-    twice backward, again under remat. On a zig-zag ring (`nnxscale.context`): 1/2 + 1/(4N)
-    of the pairs under the causal mask (with one block per chunk; smaller blocks score
-    fewer), forward, 2.5 times backward (the custom VJP recomputes the scores), again under
-    remat."""
+    """Attention's FLOPs per step over all devices, forward, 2.5 times backward (the custom
+    VJP scores each block pair again), again under remat. On one device: the block pairs on
+    and under the causal diagonal (`products`). On a zig-zag ring (`nnxscale.context`):
+    1/2 + 1/(4N) of the query-key pairs (with one block per chunk; smaller blocks score
+    fewer)."""
     (scores,) = [p.forward for p in products() if p.name == "attention scores"]
     again = 1 if policy else 0
     if ring is None:
-        return scores * (3 + again)
-    return (scores * 0.5 + scores * 0.25 / ring) * (3.5 + again)
+        return scores * (3.5 + again)
+    pairs = Formula.product(["layers", "batch", "seq", "seq", "heads", "head_dim"], 4)
+    return (pairs * 0.5 + pairs * 0.25 / ring) * (3.5 + again)
 
 
 def _context_axis(rules: Rules) -> str | None:
@@ -351,7 +360,7 @@ def _ring_hops(rules: Rules, width: float, rerun: bool) -> list[Transfer]:
     axis = _context_axis(rules)
     if axis is None:
         return []
-    values = Formula.product(["batch", "seq", "heads", "head_dim"], 2)  # a K and a V block
+    values = Formula.product(["batch", "seq", "kv_heads", "head_dim"], 2)  # a K and a V block
     hops = Formula.of(axis) - 1
     # forward: N-1 hops, again when remat rebuilds the layer; backward: N-1 more, the
     # first shared with the forward's (the compiler sends it once)

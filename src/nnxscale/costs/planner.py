@@ -329,13 +329,8 @@ def plan(
 
 
 def _check(cfg: Config, devices: int, batch: int, seq: int, memory: float) -> None:
-    """Refuse input the planner cannot price, naming the problem and the fix."""
-    for name in ("vocab", "embed", "heads", "head_dim", "mlp", "layers", "max_len"):
-        value = getattr(cfg, name)
-        if not isinstance(value, int) or value < 1:
-            raise ValueError(
-                f"the model's {name} is {value!r}: every size must be a positive integer"
-            )
+    """Refuse input the planner cannot price, naming the problem and the fix (a `Config`
+    checks its own sizes when it is made)."""
     for name, value in (("devices", devices), ("global_batch", batch), ("seq", seq)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
@@ -348,3 +343,26 @@ def _check(cfg: Config, devices: int, batch: int, seq: int, memory: float) -> No
         )
     if not memory > 0:
         raise ValueError(f"memory_per_device must be positive bytes, got {memory!r}")
+
+
+def splits_the_sequence(option: Option) -> bool:
+    """Whether an option's best setup runs context parallelism: a ring over an axis of more
+    than one device that splits every sequence."""
+    axis = derive(option.setup.rules, "float32").ring_axis
+    return axis is not None and option.setup.sizes.get(axis, 1) > 1
+
+
+def context_wins_from(
+    cfg: Config, devices: int, hw: Hardware | str, tokens: int, lengths: Iterable[int]
+) -> tuple[int | None, dict[int, Plan]]:
+    """The first of `lengths` at which the planner's fastest plan splits the sequence
+    (context parallelism), for steps of `tokens` tokens (at least one sequence per device),
+    or None; and the plan at each length tried."""
+    plans = {}
+    for length in lengths:
+        longer = cfg.replace(max_len=max(cfg.max_len, length))
+        batch = max(devices, tokens // length)
+        plans[length] = plan(longer, devices, hw, global_batch=batch, seq=length)
+        if splits_the_sequence(plans[length].best):
+            return length, plans
+    return None, plans

@@ -177,11 +177,19 @@ def scored_pairs(ring: Ring, length: int, block: int, causal: bool) -> int:
 
 
 def _scores(q, k, q_pos, k_pos, causal: bool, scale: float) -> jax.Array:
-    """Float32 scores (b, H, queries, keys) of one block pair, -inf where the mask hides a key."""
-    s = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32) * scale
+    """Float32 scores (b, KV, G, queries, keys) of one block pair of grouped queries
+    (b, queries, KV, G, D) and keys (b, keys, KV, D), -inf where the mask hides a key."""
+    s = jnp.einsum("bqkgd,bskd->bkgqs", q, k, preferred_element_type=jnp.float32) * scale
     if causal:
-        s = jnp.where((q_pos[:, None] >= k_pos[None, :])[None, None], s, -jnp.inf)
+        s = jnp.where((q_pos[:, None] >= k_pos[None, :])[None, None, None], s, -jnp.inf)
     return s
+
+
+def grouped(q: jax.Array, kv_heads: int) -> jax.Array:
+    """Queries (b, s, H, D) as (b, s, KV, G, D): the G = H / KV query heads that share each
+    key/value head side by side (head h reads key/value head h // G)."""
+    b, s, h, d = q.shape
+    return q.reshape(b, s, kv_heads, h // kv_heads, d)
 
 
 def _rows(x: jax.Array, start: jax.Array, block: int, axis: int) -> jax.Array:
@@ -196,6 +204,12 @@ def _filled(shape: tuple[int, ...], value: float, like: jax.Array) -> jax.Array:
     """A float32 array of `value` that varies over the same mesh axes as `like` (a loop's
     carry inside `jax.shard_map` must keep its type)."""
     return jnp.full_like(like, value, dtype=jnp.float32, shape=shape)
+
+
+def _loop(width: int, body, state):
+    """`body(i, state)` for i in range(width): a loop, or one call where there is one block
+    pair (a short sequence), which leaves no loop in the program."""
+    return body(0, state) if width == 1 else jax.lax.fori_loop(0, width, body, state)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -219,7 +233,8 @@ class _Kernel:
         between the first and the last run as one loop, so the compiler keeps at most the
         held shard and the one arriving, whatever the ring's size; the schedule stays a
         constant of the program, read two indices at a time."""
-        n, me = self.ring.devices, jax.lax.axis_index(self.ring.axis)
+        n = self.ring.devices
+        me = jax.lax.axis_index(self.ring.axis) if n > 1 else 0
         table = jnp.asarray(self.ring.positions(self.length))
         steps = schedule(self.ring, self.length, self.block, self.causal)
 
@@ -244,8 +259,9 @@ class _Kernel:
 
     def forward(self, q, k, v):
         """Queries against every key/value block as the blocks travel the ring, one block pair
-        at a time into a running softmax; the output and each query's log-sum-exp."""
-        bl, b, sq, h, d = self.block, *q.shape
+        at a time into a running softmax; the output and each query's log-sum-exp. Queries
+        come grouped by the key/value head they read (`grouped`)."""
+        bl, b, sq, kv, g, d = self.block, *q.shape
         scale = 1 / math.sqrt(d)
 
         def fold(state, held, pair_at, width, q_pos, k_pos):
@@ -257,29 +273,29 @@ class _Kernel:
                 qs, ks = ij[0] * bl, ij[1] * bl
                 s = _scores(_rows(q, qs, bl, 1), _rows(k, ks, bl, 1), _rows(q_pos, qs, bl, 0),
                             _rows(k_pos, ks, bl, 0), self.causal, scale)  # fmt: skip
-                m_old, total_old = _rows(m, qs, bl, 2), _rows(total, qs, bl, 2)
+                m_old, total_old = _rows(m, qs, bl, 3), _rows(total, qs, bl, 3)
                 m_new = jnp.maximum(m_old, s.max(axis=-1))
                 safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
                 p = jnp.exp(s - safe[..., None])
                 correction = jnp.exp(m_old - safe)
-                pv = jnp.einsum("bhqk,bkhd->bqhd", p.astype(v.dtype), _rows(v, ks, bl, 1),
+                pv = jnp.einsum("bkgqs,bskd->bqkgd", p.astype(v.dtype), _rows(v, ks, bl, 1),
                                 preferred_element_type=jnp.float32)  # fmt: skip
-                o_rows = _rows(o, qs, bl, 1) * correction.transpose(0, 2, 1)[..., None] + pv
+                rows = _rows(o, qs, bl, 1) * correction.transpose(0, 3, 1, 2)[..., None] + pv
                 return (
-                    _put(m, m_new, qs, 2),
-                    _put(total, total_old * correction + p.sum(axis=-1), qs, 2),
-                    _put(o, o_rows, qs, 1),
+                    _put(m, m_new, qs, 3),
+                    _put(total, total_old * correction + p.sum(axis=-1), qs, 3),
+                    _put(o, rows, qs, 1),
                 )
 
-            return jax.lax.fori_loop(0, width, pair, state), held
+            return _loop(width, pair, state), held
 
         start = (
-            _filled((b, h, sq), -jnp.inf, q),
-            _filled((b, h, sq), 0.0, q),
+            _filled((b, kv, g, sq), -jnp.inf, q),
+            _filled((b, kv, g, sq), 0.0, q),
             _filled(q.shape, 0.0, q),
         )
         (m, total, o), _ = self.around(start, (k, v), fold)
-        out = (o / total.transpose(0, 2, 1)[..., None]).astype(q.dtype)
+        out = (o / total.transpose(0, 3, 1, 2)[..., None]).astype(q.dtype)
         return out, m + jnp.log(total)
 
     def backward(self, q, k, v, out, lse, d_out):
@@ -288,7 +304,11 @@ class _Kernel:
         and one last hop takes each block's gradient home."""
         bl = self.block
         scale = 1 / math.sqrt(q.shape[-1])
-        delta = jnp.einsum("bqhd,bqhd->bhq", d_out.astype(jnp.float32), out.astype(jnp.float32))
+        # the scores are computed again here, not read from the forward pass: a barrier on
+        # the queries keeps the compiler from merging the two (which would keep the scores
+        # between the passes); the keys' first hop may still be shared with the forward's
+        q = jax.lax.optimization_barrier(q)
+        delta = jnp.einsum("bqkgd,bqkgd->bkgq", d_out.astype(jnp.float32), out.astype(jnp.float32))
 
         def fold(dq, held, pair_at, width, q_pos, k_pos):
             k, v, dk_arrived, dv_arrived = held
@@ -301,13 +321,13 @@ class _Kernel:
                 do_b = _rows(d_out, qs, bl, 1)
                 s = _scores(q_b, k_b, _rows(q_pos, qs, bl, 0), _rows(k_pos, ks, bl, 0),
                             self.causal, scale)  # fmt: skip
-                p = jnp.exp(s - _rows(lse, qs, bl, 2)[..., None])
-                dv_b = jnp.einsum("bhqk,bqhd->bkhd", p.astype(do_b.dtype), do_b,
+                p = jnp.exp(s - _rows(lse, qs, bl, 3)[..., None])
+                dv_b = jnp.einsum("bkgqs,bqkgd->bskd", p.astype(do_b.dtype), do_b,
                                   preferred_element_type=jnp.float32)  # fmt: skip
-                dp = jnp.einsum("bqhd,bkhd->bhqk", do_b, v_b, preferred_element_type=jnp.float32)
-                ds = (p * (dp - _rows(delta, qs, bl, 2)[..., None]) * scale).astype(q.dtype)
-                dq_b = jnp.einsum("bhqk,bkhd->bqhd", ds, k_b, preferred_element_type=jnp.float32)
-                dk_b = jnp.einsum("bhqk,bqhd->bkhd", ds, q_b, preferred_element_type=jnp.float32)
+                dp = jnp.einsum("bqkgd,bskd->bkgqs", do_b, v_b, preferred_element_type=jnp.float32)
+                ds = (p * (dp - _rows(delta, qs, bl, 3)[..., None]) * scale).astype(q.dtype)
+                dq_b = jnp.einsum("bkgqs,bskd->bqkgd", ds, k_b, preferred_element_type=jnp.float32)
+                dk_b = jnp.einsum("bkgqs,bqkgd->bskd", ds, q_b, preferred_element_type=jnp.float32)
                 dq = _put(dq, _rows(dq, qs, bl, 1) + dq_b, qs, 1)
                 dk = _put(dk, _rows(dk, ks, bl, 1) + dk_b, ks, 1)
                 dv = _put(dv, _rows(dv, ks, bl, 1) + dv_b, ks, 1)
@@ -316,7 +336,7 @@ class _Kernel:
             # this step's gradients start from zero, and the sums that arrived are added only
             # at the end: the hop of the previous step's sums overlaps this step's compute
             fresh = (_filled(k.shape, 0.0, k), _filled(v.shape, 0.0, v))
-            dq, dk, dv = jax.lax.fori_loop(0, width, pair, (dq, *fresh))
+            dq, dk, dv = _loop(width, pair, (dq, *fresh))
             return dq, (k, v, dk_arrived + dk, dv_arrived + dv)
 
         zeros = [_filled(x.shape, 0.0, x) for x in (q, k, v)]
@@ -331,19 +351,26 @@ def _attend(kernel: _Kernel, autodiff: bool):
     """The kernel as one device's differentiable function: with a custom VJP that keeps only
     q, k, v, the output and the log-sum-exp, or (`autodiff`) differentiated by JAX through the
     forward's loops, which keeps every block pair's probabilities."""
+
+    def run(q, k, v):
+        return kernel.forward(grouped(q, k.shape[2]), k, v)[0].reshape(q.shape)
+
     if autodiff:
-        return lambda q, k, v: kernel.forward(q, k, v)[0]
+        return run
 
     @jax.custom_vjp
     def attend(q, k, v):
-        return kernel.forward(q, k, v)[0]
+        return run(q, k, v)
 
     def forward(q, k, v):
+        q = grouped(q, k.shape[2])
         out, lse = kernel.forward(q, k, v)
-        return out, (q, k, v, out, lse)
+        return out.reshape(*q.shape[:2], -1, q.shape[-1]), (q, k, v, out, lse)
 
     def backward(saved, d_out):
-        return kernel.backward(*saved, d_out)
+        q, out = saved[0], saved[3]
+        dq, dk, dv = kernel.backward(*saved, d_out.reshape(out.shape))
+        return dq.reshape(*q.shape[:2], -1, q.shape[-1]), dk, dv
 
     attend.defvjp(forward, backward)
     return attend
@@ -369,12 +396,7 @@ def ring_attention_local(
 
 def _check_inputs(q, k, v, mesh: Mesh, ring: Ring, spec: PartitionSpec) -> None:
     """Raise a clear error, naming the fix, for arrays or a split the kernel cannot take."""
-    if not q.shape == k.shape == v.shape or q.ndim != 4:
-        raise ContextError(
-            "ring attention takes queries, keys and values of one shape (batch, length, heads, "
-            f"head_dim); got {q.shape}, {k.shape} and {v.shape}: repeat the key/value heads "
-            "to the queries' count first for grouped-query attention."
-        )
+    _check_heads(q, k, v)
     if mesh.shape.get(ring.axis) != ring.devices:
         raise ContextError(
             f"the ring has {ring.devices} devices but the mesh's axis {ring.axis!r} has "
@@ -386,17 +408,60 @@ def _check_inputs(q, k, v, mesh: Mesh, ring: Ring, spec: PartitionSpec) -> None:
             f"ring attention needs the sequence (dimension 1) split over {ring.axis!r}; the "
             f"spec {spec} splits it over {spec[1] if len(spec) > 1 else None!r}."
         )
-    for dim, (name, size) in enumerate(
-        zip(("batch", "length", "heads", "head_dim"), q.shape, strict=True)
-    ):
+    names = ("batch", "length", "heads", "head_dim")
+    for dim, (name, size) in enumerate(zip(names, q.shape[:2] + k.shape[2:], strict=True)):
         axes = spec[dim] if dim < len(spec) else None
         axes = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
         split = math.prod(mesh.shape[a] for a in axes)
         if size % split:
+            name = "key/value heads" if name == "heads" else name
             raise ContextError(
                 f"the {name} ({size}) does not divide over mesh axes {axes} ({split} "
                 f"devices): use a {name} that is a multiple of {split}, or leave it whole."
             )
+
+
+def _check_heads(q: jax.Array, k: jax.Array, v: jax.Array) -> None:
+    """Raise a clear error unless queries (b, s, H, D) and keys and values (b, s, KV, D) fit
+    grouped-query attention: KV dividing H."""
+    if (
+        q.ndim != 4
+        or k.shape != v.shape
+        or q.shape[:2] + q.shape[3:] != k.shape[:2] + k.shape[3:]
+        or q.shape[2] % k.shape[2]
+    ):
+        raise ContextError(
+            "attention takes queries (batch, length, heads, head_dim) and keys and values of "
+            "one shape (batch, length, kv_heads, head_dim), kv_heads dividing heads; got "
+            f"{q.shape}, {k.shape} and {v.shape}."
+        )
+
+
+def flash_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    *,
+    causal: bool = True,
+    block: int | None = None,
+    autodiff: bool = False,
+) -> jax.Array:
+    """Blockwise (flash-style) attention of queries (b, s, H, D) over keys and values
+    (b, s, KV, D), KV dividing H (grouped-query attention), on one device's arrays: the ring
+    kernel with a ring of one device. It scores `block` tokens against `block` (at most
+    `BLOCK`), skips the block pairs a causal mask hides, and with its custom VJP keeps only
+    q, k, v, the output and the log-sum-exp, so no step holds the whole score matrix. A
+    causal sequence that `block` does not divide is padded with keys no query sees."""
+    _check_heads(q, k, v)
+    length = q.shape[1]
+    block = block or min(length, BLOCK)
+    if not causal and length % block:
+        block = default_block(length)
+    padded = -(-length // block) * block
+    if padded != length:
+        q, k, v = (jnp.pad(x, ((0, 0), (0, padded - length), (0, 0), (0, 0))) for x in (q, k, v))
+    kernel = _Kernel(Ring("", 1, "contiguous"), padded, causal, block)
+    return _attend(kernel, autodiff)(q, k, v)[:, :length]
 
 
 def ring_attention(

@@ -129,37 +129,46 @@ def route_tokens(x: jax.Array, router: jax.Array, top_k: int, capacity_factor: f
     return route_groups(logits, top_k, slots)
 
 
-def experts_forward(inputs: jax.Array, up: jax.Array, down: jax.Array) -> jax.Array:
-    """Each expert's feed-forward network on its slots: (..., experts, slots, d) -> same."""
-    hidden = jax.nn.gelu(jnp.einsum("...ecd,edf->...ecf", inputs, up.astype(inputs.dtype)))
-    return jnp.einsum("...ecf,efd->...ecd", hidden, down.astype(inputs.dtype))
+def experts_forward(
+    inputs: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array
+) -> jax.Array:
+    """Each expert's SwiGLU network on its slots: (..., experts, slots, d) -> same."""
+    dtype = inputs.dtype
+    gated = jnp.einsum("...ecd,edf->...ecf", inputs, gate.astype(dtype))
+    hidden = jax.nn.silu(gated) * jnp.einsum("...ecd,edf->...ecf", inputs, up.astype(dtype))
+    return jnp.einsum("...ecf,efd->...ecd", hidden, down.astype(dtype))
 
 
-def dispatched(x: jax.Array, routing: Routing, up: jax.Array, down: jax.Array) -> jax.Array:
+def dispatched(
+    x: jax.Array, routing: Routing, gate: jax.Array, up: jax.Array, down: jax.Array
+) -> jax.Array:
     """The layer by dispatch and combine (x: groups x tokens x d): tokens gathered into their
     experts' slots, computed there, and summed back with their gates."""
     inputs = jnp.einsum("gtec,gtd->gecd", routing.dispatch.astype(x.dtype), x)
     if activation_axis("experts") is not None:  # expert parallelism by the rules
         # each group's slots where its tokens are, then moved to their experts' devices
         inputs = constrain(constrain(inputs, GROUPS), SLOTS)
-    outputs = experts_forward(inputs, up, down)
+    outputs = experts_forward(inputs, gate, up, down)
     if activation_axis("experts") is not None:
         outputs = constrain(constrain(outputs, SLOTS), GROUPS)
     return jnp.einsum("gtec,gecd->gtd", routing.combine.astype(x.dtype), outputs)
 
 
-def dense_reference(x: jax.Array, routing: Routing, up: jax.Array, down: jax.Array) -> jax.Array:
+def dense_reference(
+    x: jax.Array, routing: Routing, gate: jax.Array, up: jax.Array, down: jax.Array
+) -> jax.Array:
     """The same layer computed the slow, obvious way: every token through every expert,
     weighted by its gate where it was kept and by zero elsewhere."""
-    hidden = jax.nn.gelu(jnp.einsum("gtd,edf->gtef", x, up.astype(x.dtype)))
+    gated = jnp.einsum("gtd,edf->gtef", x, gate.astype(x.dtype))
+    hidden = jax.nn.silu(gated) * jnp.einsum("gtd,edf->gtef", x, up.astype(x.dtype))
     everything = jnp.einsum("gtef,efd->gted", hidden, down.astype(x.dtype))
     weights = routing.combine.sum(axis=-1).astype(x.dtype)
     return jnp.einsum("gte,gted->gtd", weights, everything)
 
 
 class MoE(nnx.Module):
-    """A mixture-of-experts feed-forward layer: a router and `experts` stacked MLPs whose
-    parameters carry the logical axis `experts`."""
+    """A mixture-of-experts feed-forward layer: a router and `experts` stacked SwiGLU MLPs
+    (gate, up, down) whose parameters carry the logical axis `experts`."""
 
     def __init__(
         self,
@@ -175,6 +184,9 @@ class MoE(nnx.Module):
             return jax.random.normal(rngs.params(), shape, jnp.float32) / math.sqrt(fan_in)
 
         self.router = nnx.Param(normal((embed, experts), embed), out_sharding=("embed", None))
+        self.gate = nnx.Param(
+            normal((experts, embed, mlp), embed), out_sharding=("experts", "embed", "mlp")
+        )
         self.up = nnx.Param(
             normal((experts, embed, mlp), embed), out_sharding=("experts", "embed", "mlp")
         )
@@ -190,7 +202,11 @@ class MoE(nnx.Module):
     def __call__(self, x: jax.Array) -> tuple[jax.Array, Routing]:
         """The layer's output for `x` (groups x tokens x d) and the routing that made it."""
         routing = self.routing(x)
-        return dispatched(x, routing, self.up[...], self.down[...]), routing
+        return dispatched(x, routing, *self.experts()), routing
+
+    def experts(self) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """The experts' gate, up and down matrices."""
+        return self.gate[...], self.up[...], self.down[...]
 
 
 def check_experts(experts: int, devices: int, axis: str) -> None:
@@ -207,6 +223,7 @@ def check_experts(experts: int, devices: int, axis: str) -> None:
 def expert_parallel_local(
     x: jax.Array,
     router: jax.Array,
+    gate: jax.Array,
     up: jax.Array,
     down: jax.Array,
     *,
@@ -222,7 +239,7 @@ def expert_parallel_local(
     inputs = jnp.einsum("gtec,gtd->egcd", routing.dispatch.astype(x.dtype), x)
     inputs = inputs.reshape(experts, groups * slots, d)  # each expert's slots, every group
     inputs = jax.lax.all_to_all(inputs, axis, split_axis=0, concat_axis=1, tiled=True)
-    outputs = experts_forward(inputs, up, down)  # this device's experts, every device's slots
+    outputs = experts_forward(inputs, gate, up, down)  # this device's experts, every device's slots
     outputs = jax.lax.all_to_all(outputs, axis, split_axis=1, concat_axis=0, tiled=True)
     outputs = outputs.reshape(experts, groups, slots, d)
     y = jnp.einsum("gtec,egcd->gtd", routing.combine.astype(x.dtype), outputs)
@@ -247,6 +264,6 @@ def expert_parallel(
     return jax.shard_map(
         body,
         mesh=mesh,
-        in_specs=(P(axis), P(), P(axis), P(axis)),
+        in_specs=(P(axis), P(), P(axis), P(axis), P(axis)),
         out_specs=(P(axis), P()),
-    )(x, moe.router[...], moe.up[...], moe.down[...])
+    )(x, moe.router[...], *moe.experts())

@@ -1,8 +1,11 @@
 """The book's decoder-only Transformer in Flax NNX, every parameter named with logical axes.
 
-Parameters carry logical axis names (`vocab`, `embed`, `heads`, `head_dim`, `mlp`, `length`,
-`layers`) in Flax's `out_sharding` metadata, never mesh axis names: a rule set
-(`nnxscale.rules`) maps them onto a mesh, so one model serves every parallel strategy.
+A decoder of today's family (Llama, Qwen, Mistral): grouped-query attention with rotary
+position embeddings and blockwise (flash-style) attention, a SwiGLU MLP, RMSNorm, no biases;
+tied embeddings and QK-norm as options. Parameters carry logical axis names (`vocab`,
+`embed`, `heads`, `kv_heads`, `head_dim`, `mlp`, `layers`) in Flax's `out_sharding`
+metadata, never mesh axis names: a rule set (`nnxscale.rules`) maps them onto a mesh, so one
+model serves every parallel strategy.
 """
 
 from __future__ import annotations
@@ -15,17 +18,24 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding
 
-from nnxscale.model.context import context_split, from_layout, ring_attention, to_layout
+from nnxscale.model.context import (
+    Ring,
+    context_split,
+    flash_attention,
+    from_layout,
+    ring_attention,
+    to_layout,
+)
 from nnxscale.model.losses import cross_entropy
 from nnxscale.model.moe import MoE, Routing
 from nnxscale.placement.layout import (
     activation_spec,
     alongside,
     constrain,
-    per_row,
     placed_einsum,
     placed_lookup,
     weight_layout,
@@ -33,10 +43,14 @@ from nnxscale.placement.layout import (
 from nnxscale.placement.mesh import axis_kind, constrain_to
 from nnxscale.placement.rounds import group_layers, layer_rounds, names_of
 
-LOGICAL_AXES = ("vocab", "embed", "heads", "head_dim", "mlp", "length", "layers", "experts")
+LOGICAL_AXES = ("vocab", "embed", "heads", "kv_heads", "head_dim", "mlp", "layers", "experts")
 
 HEADS = ("batch", "length", "heads", "head_dim")
-"""Logical names of queries, keys and values (and the attention's output before projection)."""
+"""Logical names of the queries (and the attention's output before projection)."""
+
+KV_HEADS = ("batch", "length", "kv_heads", "head_dim")
+"""Logical names of the keys and values: `kv_heads` of them, each read by `heads / kv_heads`
+query heads (grouped-query attention)."""
 
 TOKENS = ("batch", "length", "embed")
 """Logical names of the input of attention and of the MLP: under sequence parallelism,
@@ -44,9 +58,6 @@ where the residual stream's sequence is gathered whole again."""
 
 HIDDEN = ("batch", "length", "mlp")
 """Logical names of the MLP's hidden activations."""
-
-SCORES = ("batch", "heads", None, None)
-"""Logical names of dense attention's scores (batch, heads, queries, keys)."""
 
 LOGITS = ("batch", "length", "vocab")
 """Logical names of the logits: split over the vocabulary as the output head is."""
@@ -63,16 +74,31 @@ class Config:
     vocab: int = 128
     embed: int = 64
     heads: int = 4
+    kv_heads: int = 2
+    """Key/value heads, each shared by `heads / kv_heads` query heads (grouped-query
+    attention; `kv_heads = heads` is multi-head attention, 1 multi-query)."""
     head_dim: int = 16
     mlp: int = 256
+    """Hidden units of the SwiGLU MLP (its gate, up and down matrices)."""
     layers: int = 2
     max_len: int = 32
-    dropout: float = 0.1
+    """The longest sequence the model takes (rotary positions need no table)."""
+    rope_theta: float = 10_000.0
+    """The base of the rotary position embeddings' frequencies."""
+    tie_embeddings: bool = False
+    """Read the output head from the token embeddings (one matrix) instead of its own."""
+    qk_norm: bool = False
+    """RMSNorm each query and key head before the rotary embedding (Qwen3, Gemma 3)."""
+    norm_eps: float = 1e-6
+    dropout: float = 0.0
     scan_layers: bool = False
     remat: bool | str = False
     """Rematerialise each layer in the backward pass: False, True (`"full"`) or the name of a
     policy in `REMAT_POLICIES` (what the layer keeps)."""
     compute_dtype: str = "float32"
+    param_dtype: str = "float32"
+    """The dtype parameters are stored in: float32, or bfloat16 (`nnxscale.train.Trainer`
+    can keep a float32 master copy in the optimizer state)."""
     experts: int = 0
     """Experts per MoE layer in place of each MLP (`nnxscale.moe`); 0 keeps the dense MLP."""
     top_k: int = 1
@@ -81,11 +107,50 @@ class Config:
     """Weight of the load-balancing loss in the training loss (MoE only)."""
 
     def __post_init__(self) -> None:
+        problem = config_problem(self)
+        if problem:
+            raise ValueError(f"Config: {problem}")
         remat_policy(self.remat)
 
     def replace(self, **changes: object) -> Config:
         """A copy with some fields changed."""
         return dataclasses.replace(self, **changes)
+
+    @property
+    def groups(self) -> int:
+        """Query heads per key/value head."""
+        return self.heads // self.kv_heads
+
+
+DTYPES = ("float32", "bfloat16", "float16")
+"""The dtypes a `Config` may compute in or store its parameters in."""
+
+
+def config_problem(cfg: Config) -> str:
+    """What is wrong with `cfg`'s sizes, naming the fix, or "" when nothing is."""
+    for name in ("vocab", "embed", "heads", "kv_heads", "head_dim", "mlp", "layers", "max_len"):
+        value = getattr(cfg, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            return f"{name}={value!r}: every size must be a positive integer"
+    if cfg.heads % cfg.kv_heads:
+        divisors = [d for d in range(1, cfg.heads + 1) if cfg.heads % d == 0]
+        return (
+            f"kv_heads={cfg.kv_heads} does not divide heads={cfg.heads}: each key/value head "
+            f"serves a whole group of query heads; use one of {divisors}"
+        )
+    if cfg.head_dim % 2:
+        return (
+            f"head_dim={cfg.head_dim} is odd: rotary embeddings turn pairs of dimensions; "
+            "use an even head_dim"
+        )
+    if not cfg.rope_theta > 1:
+        return f"rope_theta={cfg.rope_theta}: the rotary base must be above 1 (10,000 is usual)"
+    if not 0 <= cfg.dropout < 1:
+        return f"dropout={cfg.dropout}: use a rate in [0, 1)"
+    for name in ("compute_dtype", "param_dtype"):
+        if getattr(cfg, name) not in DTYPES:
+            return f"{name}={getattr(cfg, name)!r}: use one of {', '.join(DTYPES)}"
+    return ""
 
 
 REMAT_POLICIES = {
@@ -113,24 +178,31 @@ def remat_policy(remat: bool | str) -> str | None:
 
 
 TINY = Config()
-"""The chapters' model: about 0.12 M parameters, a forward pass in milliseconds on a CPU."""
+"""The chapters' model: 0.14 M parameters, a forward pass in milliseconds on a CPU."""
 
-BENCH = Config(vocab=8192, embed=512, heads=8, head_dim=64, mlp=2048, layers=8, max_len=256)
-"""A realistic size for the benchmarks: about 33 M parameters."""
+BENCH = Config(
+    vocab=8192, embed=512, heads=8, kv_heads=2, head_dim=64, mlp=1536, layers=8, max_len=256
+)
+"""A realistic size for the benchmarks: about 31 M parameters."""
 
 
 def _param(
-    rngs: nnx.Rngs, shape: tuple[int, ...], axes: tuple[str, ...], fan_in: int | None
+    rngs: nnx.Rngs,
+    shape: tuple[int, ...],
+    axes: tuple[str, ...],
+    fan_in: int | None,
+    dtype: str = "float32",
 ) -> nnx.Param:
-    """A parameter with logical axis names: normal(0, 1/fan_in) values, or ones if no fan_in."""
+    """A parameter with logical axis names: normal(0, 1/fan_in) values, or ones if no fan_in,
+    drawn in float32 and stored in `dtype`."""
     if fan_in is None:
         value = jnp.ones(shape, jnp.float32)
     else:
         value = jax.random.normal(rngs.params(), shape, jnp.float32) / math.sqrt(fan_in)
-    return nnx.Param(value, out_sharding=axes)
+    return nnx.Param(value.astype(dtype), out_sharding=axes)
 
 
-CAST_WEIGHTS = ("query", "key", "value", "out", "up", "down", "head")
+CAST_WEIGHTS = ("query", "key", "value", "out", "gate", "up", "down", "head")
 """The parameters the model reads through `compute_copy`: its matrix products' weights."""
 
 
@@ -185,76 +257,120 @@ _cast_where_stored.defvjp(_cast_forward, _cast_backward)
 
 
 class RMSNorm(nnx.Module):
-    """Root-mean-square normalisation with a learned scale."""
+    """Root-mean-square normalisation over the last dimension, with a learned scale: of the
+    residual stream (`embed`), or of each query and key head (`head_dim`, QK-norm)."""
 
-    def __init__(self, cfg: Config, *, rngs: nnx.Rngs) -> None:
-        self.scale = _param(rngs, (cfg.embed,), ("embed",), None)
+    def __init__(self, cfg: Config, *, rngs: nnx.Rngs, axis: str = "embed") -> None:
+        size = cfg.head_dim if axis == "head_dim" else cfg.embed
+        self.scale = _param(rngs, (size,), (axis,), None, cfg.param_dtype)
+        self.eps = cfg.norm_eps
 
     def __call__(self, x: jax.Array) -> jax.Array:
         x32 = x.astype(jnp.float32)
-        normed = x32 * jax.lax.rsqrt(jnp.mean(x32**2, axis=-1, keepdims=True) + 1e-6)
+        normed = x32 * jax.lax.rsqrt(jnp.mean(x32**2, axis=-1, keepdims=True) + self.eps)
         return (normed * alongside(compute_copy(self.scale, jnp.float32), normed)).astype(x.dtype)
 
 
+def rotary(positions: Any, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
+    """The cosines and sines (length, head_dim) that turn each pair of dimensions (i,
+    i + head_dim / 2) of a query or key at each position by position x theta^(-2i/head_dim)."""
+    inverse = theta ** (-jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
+    angles = jnp.asarray(positions, jnp.float32)[:, None] * inverse[None, :]
+    angles = jnp.concatenate([angles, angles], axis=-1)
+    return jnp.cos(angles), jnp.sin(angles)
+
+
+def rotate(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """Heads `x` (batch, length, heads, head_dim) turned by the rotary angles, in float32."""
+    x32 = x.astype(jnp.float32)
+    half = x.shape[-1] // 2
+    turned = jnp.concatenate([-x32[..., half:], x32[..., :half]], axis=-1)
+    return (x32 * cos[None, :, None, :] + turned * sin[None, :, None, :]).astype(x.dtype)
+
+
 class Attention(nnx.Module):
-    """Causal multi-head self-attention; heads split the projections (column/row parallel)."""
+    """Causal grouped-query self-attention with rotary positions, computed blockwise (never
+    the whole score matrix); heads split the projections (column/row parallel)."""
 
     def __init__(self, cfg: Config, *, rngs: nnx.Rngs) -> None:
-        qkv = (cfg.embed, cfg.heads, cfg.head_dim)
-        names = ("embed", "heads", "head_dim")
-        self.query = _param(rngs, qkv, names, cfg.embed)
-        self.key = _param(rngs, qkv, names, cfg.embed)
-        self.value = _param(rngs, qkv, names, cfg.embed)
+        e, d, dtype = cfg.embed, cfg.head_dim, cfg.param_dtype
+        self.query = _param(rngs, (e, cfg.heads, d), ("embed", "heads", "head_dim"), e, dtype)
+        kv, names = (e, cfg.kv_heads, d), ("embed", "kv_heads", "head_dim")
+        self.key = _param(rngs, kv, names, e, dtype)
+        self.value = _param(rngs, kv, names, e, dtype)
         self.out = _param(
-            rngs,
-            (cfg.heads, cfg.head_dim, cfg.embed),
-            ("heads", "head_dim", "embed"),
-            cfg.heads * cfg.head_dim,
+            rngs, (cfg.heads, d, e), ("heads", "head_dim", "embed"), cfg.heads * d, dtype
         )
-        self.head_dim = cfg.head_dim
+        if cfg.qk_norm:
+            self.query_norm = RMSNorm(cfg, rngs=rngs, axis="head_dim")
+            self.key_norm = RMSNorm(cfg, rngs=rngs, axis="head_dim")
+        self.cfg = cfg
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        dtype = x.dtype
+        dtype, length = x.dtype, x.shape[1]
         x = constrain(x, TOKENS)
-        q = constrain(
-            placed_einsum("ble,ehd->blhd", x, compute_copy(self.query, dtype), HEADS), HEADS
-        )
-        k = constrain(
-            placed_einsum("ble,ehd->blhd", x, compute_copy(self.key, dtype), HEADS), HEADS
-        )
+        q = placed_einsum("ble,ehd->blhd", x, compute_copy(self.query, dtype), HEADS)
+        k = placed_einsum("ble,ehd->blhd", x, compute_copy(self.key, dtype), KV_HEADS)
         v = constrain(
-            placed_einsum("ble,ehd->blhd", x, compute_copy(self.value, dtype), HEADS), HEADS
+            placed_einsum("ble,ehd->blhd", x, compute_copy(self.value, dtype), KV_HEADS), KV_HEADS
         )
-        ring = context_split(x.shape[1])
-        if ring is None:
-            context = self.dense(q, k, v)
-        else:
-            spec, mesh = activation_spec(q.shape, HEADS)
-            context = ring_attention(q, k, v, mesh, ring, spec=spec)
+        if self.cfg.qk_norm:
+            q, k = self.query_norm(q), self.key_norm(k)
+        ring = context_split(length)
+        cos, sin = rotary(
+            np.arange(length) if ring is None else ring.order(length),
+            self.cfg.head_dim,
+            self.cfg.rope_theta,
+        )
+        q = constrain(rotate(q, cos, sin), HEADS)
+        k = constrain(rotate(k, cos, sin), KV_HEADS)
+        context = self.attend(q, k, v, ring)
         return placed_einsum("blhd,hde->ble", context, compute_copy(self.out, dtype), RESIDUAL)
 
-    def dense(self, q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
-        """Causal attention with the whole score matrix (batch, heads, length, length)."""
-        dtype = q.dtype
-        scores = placed_einsum("bqhd,bkhd->bhqk", q, k, SCORES) / math.sqrt(self.head_dim)
-        length = q.shape[1]
-        causal = jnp.tril(jnp.ones((length, length), dtype=bool))
-        scores = jnp.where(causal, scores.astype(jnp.float32), -1e30)
-        weights = jax.nn.softmax(scores, axis=-1).astype(dtype)
-        return placed_einsum("bhqk,bkhd->bqhd", weights, v, HEADS)
+    def attend(self, q: jax.Array, k: jax.Array, v: jax.Array, ring: Ring | None) -> jax.Array:
+        """Blockwise causal attention: each device's own heads and sequences through the
+        one-device kernel (`flash_attention`), or around the ring that splits the sequence.
+        Where the rules split the query heads but cannot split the key/value heads alike (a
+        tensor axis larger than `kv_heads`), each key/value head is first repeated for its
+        query heads."""
+        placed = activation_spec(q.shape, HEADS)
+        if placed is None:
+            return flash_attention(q, k, v)
+        spec, mesh = placed
+        kv_spec, _ = activation_spec(k.shape, KV_HEADS)
+        if tuple(kv_spec)[2:3] != tuple(spec)[2:3]:
+            k, v = (repeat_heads(x, self.cfg.groups) for x in (k, v))
+        if ring is not None:
+            return ring_attention(q, k, v, mesh, ring, spec=spec)
+        return jax.shard_map(flash_attention, mesh=mesh, in_specs=(spec,) * 3, out_specs=spec)(
+            q, k, v
+        )
+
+
+def repeat_heads(x: jax.Array, groups: int) -> jax.Array:
+    """Keys or values (batch, length, kv_heads, head_dim) with each head repeated for the
+    `groups` query heads that read it, placed as queries are: a product with a 0/1 matrix,
+    exact, which places its result on Explicit axes as any product does."""
+    kv = x.shape[2]
+    expand = jnp.repeat(jnp.eye(kv, dtype=x.dtype), groups, axis=1)
+    return constrain(placed_einsum("blkd,kh->blhd", x, expand, HEADS), HEADS)
 
 
 class MLP(nnx.Module):
-    """Two-layer GELU feed-forward block; `mlp` splits it column- then row-parallel."""
+    """SwiGLU feed-forward block, silu(x W_gate) * (x W_up) then W_down; `mlp` splits it
+    column- then row-parallel."""
 
     def __init__(self, cfg: Config, *, rngs: nnx.Rngs) -> None:
-        self.up = _param(rngs, (cfg.embed, cfg.mlp), ("embed", "mlp"), cfg.embed)
-        self.down = _param(rngs, (cfg.mlp, cfg.embed), ("mlp", "embed"), cfg.mlp)
+        e, m, dtype = cfg.embed, cfg.mlp, cfg.param_dtype
+        self.gate = _param(rngs, (e, m), ("embed", "mlp"), e, dtype)
+        self.up = _param(rngs, (e, m), ("embed", "mlp"), e, dtype)
+        self.down = _param(rngs, (m, e), ("mlp", "embed"), m, dtype)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         x = constrain(x, TOKENS)
+        gate = placed_einsum("ble,em->blm", x, compute_copy(self.gate, x.dtype), HIDDEN)
         up = placed_einsum("ble,em->blm", x, compute_copy(self.up, x.dtype), HIDDEN)
-        hidden = constrain(jax.nn.gelu(up), HIDDEN)
+        hidden = constrain(jax.nn.silu(gate) * up, HIDDEN)
         return placed_einsum("blm,me->ble", hidden, compute_copy(self.down, x.dtype), RESIDUAL)
 
 
@@ -324,7 +440,7 @@ BlockRunner = Callable[
 
 
 class Transformer(nnx.Module):
-    """Decoder-only language model: token and position embeddings, blocks, norm, output head.
+    """Decoder-only language model: token embeddings, blocks, final norm, output head.
 
     It runs on meshes of either kind (`nnxscale.mesh.AXIS_TYPES`): its activations are
     placed by their logical names under the active rules, on Explicit axes in the types of
@@ -333,14 +449,15 @@ class Transformer(nnx.Module):
 
     def __init__(self, cfg: Config, *, rngs: nnx.Rngs) -> None:
         self.cfg = cfg
-        self.embed = _param(rngs, (cfg.vocab, cfg.embed), ("vocab", "embed"), 1)
-        self.position = _param(rngs, (cfg.max_len, cfg.embed), ("length", "embed"), 1)
+        self.embed = _param(rngs, (cfg.vocab, cfg.embed), ("vocab", "embed"), 1, cfg.param_dtype)
         if cfg.scan_layers:
             self.blocks = _stacked_blocks(cfg, rngs)
         else:
             self.blocks = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.layers)])
         self.final_norm = RMSNorm(cfg, rngs=rngs)
-        self.head = _param(rngs, (cfg.embed, cfg.vocab), ("embed", "vocab"), cfg.embed)
+        if not cfg.tie_embeddings:
+            shape = (cfg.embed, cfg.vocab)
+            self.head = _param(rngs, shape, ("embed", "vocab"), cfg.embed, cfg.param_dtype)
 
     @classmethod
     def from_config(cls, config: Mapping[str, Any], seed: int = 0) -> Transformer:
@@ -380,22 +497,21 @@ class Transformer(nnx.Module):
         return loss + self.cfg.aux_weight * aux / self.cfg.layers
 
     def embed_tokens(self, tokens: jax.Array) -> jax.Array:
-        """The blocks' input: token plus position embeddings, in the compute dtype. Under
-        context parallelism the sequence is put in the zig-zag layout here, once."""
+        """The blocks' input: the tokens' embeddings in the compute dtype (positions enter
+        attention as rotations). Under context parallelism the sequence is put in the
+        zig-zag layout here, once."""
         cfg = self.cfg
         length = tokens.shape[1]
         if length > cfg.max_len:
             raise ValueError(f"sequence length {length} exceeds max_len {cfg.max_len}")
-        where = jnp.arange(length)
         split = context_split(length)
         if split is not None:
-            tokens, where = to_layout(tokens, split), jnp.asarray(split.order(length))
+            tokens = to_layout(tokens, split)
         # a lookup follows its table's layout: rows split as the logits' vocabulary, so the
         # lookup runs on this device's sequences, and columns whole, gathered as a weight
         batch = ((tokens.shape[0], "batch"),)
         table = constrain(self.embed[...], ("vocab", None), beside=batch)
-        position = placed_lookup(self.position[...], per_row(where, tokens), RESIDUAL)
-        x = placed_lookup(table, tokens, RESIDUAL) + position
+        x = placed_lookup(table, tokens, RESIDUAL)
         return constrain(x.astype(jnp.dtype(cfg.compute_dtype)), RESIDUAL)
 
     def routings(self, tokens: jax.Array) -> list[Routing]:
@@ -419,6 +535,9 @@ class Transformer(nnx.Module):
         if split is not None:
             x = constrain(from_layout(x, split), RESIDUAL)
         x = self.final_norm(x)
+        if self.cfg.tie_embeddings:
+            table = compute_copy(self.embed, x.dtype)
+            return placed_einsum("ble,ve->blv", x, table, LOGITS).astype(jnp.float32)
         head = compute_copy(self.head, x.dtype)
         return placed_einsum("ble,ev->blv", x, head, LOGITS).astype(jnp.float32)
 

@@ -8,7 +8,7 @@ import json
 import math
 import uuid
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -119,6 +119,45 @@ def adamw(
                 "or more (a NaN or infinite one would make every weight NaN)."
             )
     return optax.adamw(learning_rate, weight_decay=weight_decay)
+
+
+class MasterState(NamedTuple):
+    """The optimizer state `master_weights` keeps: the float32 master copy of the
+    parameters, and the wrapped optimizer's own state (of the master copy)."""
+
+    master: Any
+    inner: Any
+
+
+def master_weights(tx: optax.GradientTransformation) -> optax.GradientTransformation:
+    """`tx` run on a float32 master copy of parameters stored in a lower precision (a
+    `Config(param_dtype="bfloat16")` model): the optimizer state holds the copy, `tx`
+    updates it in float32 from float32 gradients, and the parameters become the copy rounded
+    to their dtype. Without it, `tx` updates bfloat16 parameters in place, and an update
+    smaller than half a bfloat16 step is lost (2^-8 of the weight)."""
+
+    def init(params: Any) -> MasterState:
+        master = jax.tree.map(lambda p: jnp.asarray(p, jnp.float32), params)
+        return MasterState(master, tx.init(master))
+
+    def update(grads: Any, state: MasterState, params: Any = None) -> tuple[Any, MasterState]:
+        if params is None:
+            raise ValueError("master_weights needs the parameters: update(grads, state, params)")
+        grads = jax.tree.map(lambda g: jnp.asarray(g, jnp.float32), grads)
+        updates, inner = tx.update(grads, state.inner, state.master)
+        master = optax.apply_updates(state.master, updates)
+        # the step that takes each parameter to its master value rounded to its dtype:
+        # exact in float32, so that parameter + step rounds to that value
+        steps = jax.tree.map(
+            lambda m, p: (
+                m.astype(jnp.asarray(p).dtype).astype(jnp.float32) - jnp.asarray(p, jnp.float32)
+            ),
+            master,
+            params,
+        )
+        return steps, MasterState(master, inner)
+
+    return optax.GradientTransformation(init, update)
 
 
 def model_config(model: nnx.Module) -> dict[str, Any] | None:

@@ -1,0 +1,39 @@
+"""Published configurations count exactly the parameters their releases state."""
+
+from __future__ import annotations
+
+import pytest
+from flax import nnx
+
+import nnxscale as nx
+from nnxscale.costs import counts
+
+
+@pytest.mark.parametrize("name", list(nx.configs.PUBLISHED))
+def test_each_published_configuration_counts_its_release_exactly(name: str) -> None:
+    cfg, published = nx.configs.PUBLISHED[name]
+    model = nnx.eval_shape(lambda: nx.create(cfg))  # abstract: nothing is allocated
+    assert nx.model.count_params(model) == published
+    assert counts(cfg).total == published  # the cost model's formula agrees
+
+
+def test_llama3_8b_is_the_count_the_issue_names() -> None:
+    assert counts(nx.configs.LLAMA3_8B).total == 8_030_261_248
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"kv_heads": 3}, "kv_heads=3 does not divide heads=4"),
+        ({"head_dim": 15}, "head_dim=15 is odd"),
+        ({"layers": 0}, "layers=0: every size must be a positive integer"),
+        ({"embed": -64}, "embed=-64"),
+        ({"mlp": 2.5}, "mlp=2.5"),
+        ({"rope_theta": 0.5}, "rope_theta=0.5"),
+        ({"dropout": 1.0}, "dropout=1.0"),
+        ({"param_dtype": "int8"}, "param_dtype='int8'"),
+    ],
+)
+def test_bad_configurations_are_refused_when_made(change: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message.replace("(", r"\(")):
+        nx.TINY.replace(**change)
