@@ -33,38 +33,22 @@ LLAMA3_70B = LLAMA3_8B.replace(embed=8192, heads=64, mlp=28_672, layers=80)
 LLAMA3_405B = LLAMA3_8B.replace(embed=16_384, heads=128, mlp=53_248, layers=126)
 """Llama 3.1 405B."""
 
-QWEN3_8B = Config(
+QWEN3_8B = LLAMA3_8B.replace(
     vocab=151_936,
-    embed=4096,
-    heads=32,
-    kv_heads=8,
-    head_dim=128,
     mlp=12_288,
     layers=36,
     max_len=32_768,
     rope_theta=1_000_000.0,
+    norm_eps=1e-6,
     qk_norm=True,
-    **_RUN,
 )
 """Qwen3 8B (Alibaba, 2025): QK-norm, untied head."""
 
 QWEN3_0_6B = QWEN3_8B.replace(embed=1024, heads=16, mlp=3072, layers=28, tie_embeddings=True)
 """Qwen3 0.6B: the same family with tied embeddings and head_dim 128 > embed / heads."""
 
-MIXTRAL_8X7B = Config(
-    vocab=32_000,
-    embed=4096,
-    heads=32,
-    kv_heads=8,
-    head_dim=128,
-    mlp=14_336,
-    layers=32,
-    max_len=32_768,
-    rope_theta=1_000_000.0,
-    norm_eps=1e-5,
-    experts=8,
-    top_k=2,
-    **_RUN,
+MIXTRAL_8X7B = LLAMA3_8B.replace(
+    vocab=32_000, max_len=32_768, rope_theta=1_000_000.0, experts=8, top_k=2
 )
 """Mixtral 8x7B (Mistral AI, 2024): eight SwiGLU experts per layer, two chosen per token."""
 
