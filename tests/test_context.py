@@ -282,7 +282,8 @@ def test_the_step_passes_keys_and_values_around_the_ring_and_nothing_else_large(
     n, cfg = trainer.layout.mesh.shape["context"], trainer.model().cfg
     batch = trainer.batch(nx.book_batches(8))
     report = collectives(trainer.compile(batch))
-    block = 8 * (cfg.max_len // n) * cfg.heads * cfg.head_dim * 4
+    # keys and values travel with their kv_heads
+    block = 8 * (cfg.max_len // n) * cfg.kv_heads * cfg.head_dim * 4
     permutes = [c for c in report.collectives if c.kind == "collective-permute"]
     floats = [c for c in permutes if c.dtypes == ("f32",)]
     # forward: N-1 hops of K and V per layer; backward: K and V again, N-1 hops (the first
