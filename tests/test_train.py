@@ -27,6 +27,7 @@ from nnxscale.train import (
     two_at_a_time,
     unreduced_grads,
 )
+from nnxscale.train.agree import agreement
 from nnxscale.train.data import Batches, arithmetic_text, encode
 
 STEPS = 4
@@ -51,13 +52,16 @@ def weights(run: Trainer) -> list[np.ndarray]:
 @pytest.mark.slow
 @pytest.mark.parametrize("rules", [DP, FSDP, TP, FSDP_TP], ids=lambda r: r.name)
 def test_every_strategy_matches_one_device(single, rules) -> None:
-    losses, reference = single
+    losses, _ = single
     run = trainer(rules)
     got = run.train(BATCHES, STEPS)
     np.testing.assert_allclose(got, losses, rtol=0, atol=1e-5)  # f32, a few ulps of drift
-    for a, b in zip(weights(run), weights(reference), strict=True):
-        np.testing.assert_allclose(a, b, rtol=0, atol=1e-5)
     assert run.step_count() == STEPS
+    # the weights under SGD (nx.agreement): Adam divides each gradient by its running size,
+    # so a weight whose gradient sums terms that cancel (RoPE's slowest pair of query
+    # dimensions here) can end 0.4% of a step apart on a correct run
+    mesh = run.layout.mesh
+    agreement(lambda: create(TINY), rules, mesh, BATCHES, dropout=False).check()
 
 
 def test_loss_falls(single) -> None:
