@@ -45,10 +45,6 @@ def single() -> tuple[list[float], Trainer]:
     return run.train(BATCHES, STEPS), run
 
 
-def weights(run: Trainer) -> list[np.ndarray]:
-    return [np.asarray(x) for x in jax.tree.leaves(nnx.state(run.model(), nnx.Param))]
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("rules", [DP, FSDP, TP, FSDP_TP], ids=lambda r: r.name)
 def test_every_strategy_matches_one_device(single, rules) -> None:
