@@ -16,6 +16,7 @@ from jax.sharding import PartitionSpec as P
 import nnxscale as nx
 from nnxscale import context, costs, layout
 from nnxscale.analysis.hlo import collectives
+from nnxscale.costs import published
 from nnxscale.placement.mesh import make_mesh
 
 B, T, H, D = 2, 64, 4, 16
@@ -383,16 +384,8 @@ def test_sequence_parallelism_gathers_the_residual_stream_and_trains_as_tp() -> 
     # SP splits the residual stream over `model`: at least the textbook's 4E values a
     # token, at most half of what the ledger says the stream and its norms keep (the model
     # computes RMSNorm in float32 and keeps its intermediates)
-    kept = nx.activations.kept(cfg.compute_dtype).layer
-    stream = nx.formula.Formula(
-        {
-            p: c
-            for p, c in kept.terms.items()
-            if "embed" in dict(p) and not {"heads", "kv_heads", "mlp"} & set(dict(p))
-        }
-    )
-    one = costs.sizes_of(cfg, costs.Setup.of(nx.DP, {"data": 1}), sequences, 32)
-    assert formula <= saved <= cfg.layers * stream(one) / 2
+    stream = published.ledger_by_part(cfg, 32, sequences)["norms"]  # per layer
+    assert formula <= saved <= cfg.layers * stream / 2
     reference = cp_trainer(nx.DP, 1).train(batches, 3)
     assert np.max(np.abs(np.array(sp.train(batches, 3)) - reference)) < 1e-5
 
