@@ -59,7 +59,8 @@ class Costs:
     weights: Formula
     rebuilt: Formula
     """What one layer holds again while its backward pass runs: with remat its activations
-    rebuilt, and the attention kernel's working set (`WORKSPACE`)."""
+    rebuilt, the attention kernel's working set (`WORKSPACE`) and the MLP's gradients
+    (`mlp_gradients`)."""
     gradients: Formula
     layer_gradients: Formula
     """One layer's gradients as its backward pass makes them, before any reduction."""
@@ -175,6 +176,14 @@ float32 arrays of one block pair's scores (the scores, probabilities and their g
 measured on the compiled kernel; it grows with the block, not with the sequence."""
 
 
+def mlp_gradients(width: int, moe: bool) -> Formula:
+    """What one layer's MLP holds while its backward pass runs, beside what it kept: three
+    gradients as wide as its hidden units (of the down projection's input, of gate and of
+    up), over every token, or every expert's slot in a mixture."""
+    hidden = ["batch", "experts", "capacity", "mlp"] if moe else ["batch", "seq", "mlp"]
+    return Formula.product(hidden, 3 * width)
+
+
 def _kept(
     rules: Rules, arrays: list[PlacedArray], compute_dtype: str, policy: str | None, moe: int
 ) -> tuple[Formula, Formula, Formula]:
@@ -192,9 +201,9 @@ def _kept(
     weights = Formula()
     if copies:
         weights = split_by(k.weights * "layers" + k.head_weights, rules, weights=True)
-    rebuilt = per_micro_batch(
-        split_by(k.rebuilt + WORKSPACE, rules) if ring is None else _local(k.rebuilt, rules)
-    )
+    rebuilt = split_by(k.rebuilt + WORKSPACE, rules) if ring is None else _local(k.rebuilt, rules)
+    gradients = split_by(mlp_gradients(DTYPE_BYTES[compute_dtype], bool(moe)), rules)
+    rebuilt = per_micro_batch(rebuilt + gradients)
     if policy and copies:
         rebuilt += split_by(kept(compute_dtype).weights, rules, weights=True)
     return activations, weights, rebuilt
