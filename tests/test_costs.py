@@ -11,11 +11,10 @@ import pytest
 from flax import nnx
 from jax.sharding import AbstractMesh, AxisType
 
-from nnxscale import activations, costs, pipeline, schedules
+from nnxscale import costs, pipeline, schedules
 from nnxscale.analysis.comm import ring_bytes
 from nnxscale.analysis.hlo import collectives, dot_flops
 from nnxscale.core.memory import CompiledMemory
-from nnxscale.costs.derive import WORKSPACE, mlp_gradients
 from nnxscale.costs.planner import TOLERANCE
 from nnxscale.model import TINY, Config, count_params, create
 from nnxscale.placement.init import abstract
@@ -468,17 +467,17 @@ def test_remat_saves_activations_with_or_without_a_scan() -> None:
 @pytest.mark.parametrize("remat", [False, "full"])
 def test_compiled_activations_lie_between_the_textbook_and_the_ledger(remat) -> None:
     """Per added sequence on one device, the compiled step keeps at least the textbook's
-    least and at most what autodiff keeps (the ledger, with one layer rebuilt under remat),
-    the attention kernel's working set (`derive.WORKSPACE`, a layer's score blocks) and the
-    MLP's gradients (`derive.mlp_gradients`)."""
+    least and at most the ledger's: what autodiff keeps, with one layer rebuilt under remat,
+    and a layer's backward working set (`Costs.rebuilt`: the attention kernel's score blocks
+    and the MLP's gradients)."""
     cfg = PLAIN.replace(scan_layers=bool(remat), remat=remat)
     runs = [(trainer("DP", 1, cfg), Batches(CORPUS, rows, 32)) for rows in (8, 16)]
     small, large = (
         CompiledMemory.of(p).temp for p in compile_all([(r, r.batch(b)) for r, b in runs])
     )
-    k = activations.kept("float32", remat)
+    derived = costs.derive(STRATEGIES["DP"], "float32", remat)
     one = costs.sizes_of(cfg, costs.Setup.of(STRATEGIES["DP"], {"data": 1}), 1, 32)
-    kept = k.layer * "layers" + k.model + k.rebuilt + WORKSPACE + mlp_gradients(4, False)
+    kept = derived.activations + derived.rebuilt
     ledger = kept(one) - kept({**one, "batch": 0})
     textbook = costs.activation_bytes(cfg, 1, 32, remat=bool(remat))
     assert textbook <= (large - small) / 8 <= ledger
