@@ -72,7 +72,7 @@ def test_a_device_count_that_divides_nothing_gets_reasons() -> None:
         (dict(global_batch=0), "global_batch must be a positive integer"),
         (dict(seq=-1), "seq must be a positive integer"),
         (dict(seq=16384), "exceeds the model's max_len"),
-        (dict(hw="A100"), "no hardware named 'A100'"),
+        (dict(hw="A99"), "no hardware named 'A99'"),
         (dict(memory_per_device=-1.0), "memory_per_device must be positive"),
         (dict(strategies=["ZeRO-4"]), "no rule set named 'ZeRO-4'"),
         (dict(cfg=costs.SEVEN_B.replace(experts=-1)), "experts=-1: use 0 for a dense MLP"),

@@ -23,23 +23,27 @@ from nnxscale.costs.counts import (
 from nnxscale.costs.derive import Costs, derive, unpriced, unsuitable
 from nnxscale.costs.hardware import EFFICIENCY, HARDWARE, MARGIN, Hardware, hardware
 from nnxscale.costs.steps import (
+    HIDDEN,
     LEDGER_PARTS,
     TIME_BAND,
     Collective,
     StepCost,
     collective_seconds,
     crossover,
+    hide,
     ledger,
     link,
     memory_phases,
     ring_hop_tokens,
     step_cost,
+    within,
 )
 
 __all__ = [
     "DTYPE_BYTES",
     "EFFICIENCY",
     "HARDWARE",
+    "HIDDEN",
     "LEDGER_PARTS",
     "LOGIT_BYTES",
     "MARGIN",
@@ -65,6 +69,7 @@ __all__ = [
     "crossover",
     "derive",
     "hardware",
+    "hide",
     "ledger",
     "link",
     "memory_phases",
@@ -77,4 +82,5 @@ __all__ = [
     "step_flops",
     "unpriced",
     "unsuitable",
+    "within",
 ]

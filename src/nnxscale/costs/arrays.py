@@ -51,9 +51,11 @@ class Transfer:
 OVERLAPS = {
     "gather": "FSDP's weight gathers: prefetched, each behind the previous layer's compute",
     "reduce": "gradient reductions: each layer's behind the backward pass of the layers below",
-    "update": "ZeRO's gather of updated parameters: behind the next forward pass",
+    "update": "ZeRO's gather of updated parameters: at the step's end, with nothing left to "
+    "hide behind (one compiled step cannot prefetch into the next)",
     "ring": "ring attention's key/value hops: each behind the attention of the block in hand",
-    "blocking": "on the critical path: the next product needs the result (TP, pipeline hops)",
+    "blocking": "on the critical path: the next product needs the result (TP's all-reduces, "
+    "unless a collective matmul splits them; pipeline hops)",
 }
 """What each class of collective can hide behind, given the step's dependencies."""
 

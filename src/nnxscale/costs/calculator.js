@@ -74,17 +74,23 @@
     };
   }
 
-  // nnxscale.costs.link and collective_seconds
-  function link(axes, mesh, hw) {
+  // nnxscale.costs.within, link and collective_seconds
+  function within(axes, mesh, hw) {
     const names = Object.keys(mesh);
     const first = Math.min(...axes.map((a) => names.indexOf(a)));
-    const span = product(names.slice(first).map((a) => mesh[a]));
-    return span <= hw.domain ? [hw.fast, hw.hop] : [hw.slow, hw.far_hop];
+    return product(names.slice(first).map((a) => mesh[a])) <= hw.domain;
+  }
+
+  function link(axes, mesh, hw) {
+    if (!within(axes, mesh, hw)) return [hw.slow, hw.far_hop];
+    const n = product(axes.map((a) => mesh[a]));
+    const line = hw.wrap > 0 && n % hw.wrap !== 0;
+    return [line ? hw.fast / 2 : hw.fast, hw.hop];
   }
 
   function collectiveSeconds(kind, array, n, mesh, axes, hw) {
     const [bandwidth, hop] = link(axes, mesh, hw);
-    const ring = bandwidth === hw.fast && hw.ring;
+    const ring = hw.ring && within(axes, mesh, hw);
     const steps = kind === "all-reduce" ? 2 * (n - 1) : kind === "collective-permute" ? 1 : n - 1;
     let sent, moved;
     if (kind === "all-to-all") {
@@ -111,6 +117,16 @@
     return sizes;
   }
 
+  // nnxscale.costs.hide: the collectives on one link that compute can hide, [seconds, overlap, pieces] each
+  function hide(group, window) {
+    const sum = (k) => group.filter(([, o]) => o === k).reduce((a, [s]) => a + s, 0);
+    const total = group.reduce((a, [s]) => a + s, 0);
+    if (!total) return 0;
+    const excess = Math.max(0, total - window.gather, sum("reduce") - window.reduce, sum("ring") - window.ring);
+    const first = group.reduce((a, [s, , p]) => a + s / Math.max(1, p), 0);
+    return Math.min(total, excess + first);
+  }
+
   // nnxscale.costs.step_cost
   function stepCost(spec, cfg, strategy, remat, hw, devices, degrees, batch, seq, micro) {
     const mesh = meshFor(spec, strategy, devices, degrees);
@@ -130,20 +146,25 @@
     const flops = evaluate(c.flops, sizes);
     const state = Object.keys(c.state).reduce((s, k) => s + memory[k], 0);
     const traffic = 2 * evaluate(c.activations, sizes) + 3 * evaluate(c.weights, sizes) + 3 * state;
-    let compute = flops / (hw.flops * spec.constants.EFFICIENCY) + traffic / hw.hbm;
+    let compute = flops / (hw.flops * hw.efficiency) + traffic / hw.hbm;
     const forward = (compute * evaluate(c.forward_flops, sizes)) / flops;
-    const window = { gather: compute, reduce: compute - forward, update: forward, ring: (compute * evaluate(c.attention_flops, sizes)) / flops };
+    const window = { gather: compute, reduce: compute - forward, ring: (compute * evaluate(c.attention_flops, sizes)) / flops };
     let sent = 0, seconds = 0, exposed = 0;
+    const links = { fast: [], slow: [] }, busy = { fast: 0, slow: 0 };
     for (const t of c.transfers) {
       const n = product(t.axes.map((a) => mesh[a]));
       if (n === 1) continue;
       const passes = evaluate(t.passes, sizes);
       const [s, time] = collectiveSeconds(t.kind, evaluate(t.array, sizes), n, mesh, t.axes, hw);
-      const total = passes * time;
       sent += passes * s;
-      seconds += total;
-      exposed += t.overlap === "blocking" ? total : Math.max(0, total - window[t.overlap]) + total / Math.max(1, evaluate(t.launches, sizes));
+      seconds += passes * time;
+      const where = within(t.axes, mesh, hw) ? "fast" : "slow";
+      busy[where] += passes * time;
+      if (!spec.constants.HIDDEN.includes(t.overlap)) exposed += passes * time;
+      else links[where].push([passes * time, t.overlap, evaluate(t.launches, sizes)]);
     }
+    for (const group of Object.values(links)) exposed += hide(group, window);
+    const busiest = Math.max(...Object.values(busy));
     let bubble = 0;
     if (c.stage_axis) {
       const p = mesh[c.stage_axis];
@@ -156,7 +177,7 @@
     return {
       mesh, memory, peak, flops, sent, comm_time: seconds, exposed, compute_time: compute, bubble, step_time: step,
       params: evaluate(spec.parameters[kind], sizes) / spec.constants.STATE_BYTES,
-      bound: exposed <= 0.5 * step ? "compute" : "communication",
+      bound: busiest > compute ? "communication" : "compute",
     };
   }
 

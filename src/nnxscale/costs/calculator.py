@@ -20,8 +20,9 @@ from typing import Any
 from nnxscale.costs.arrays import OVERLAPS
 from nnxscale.costs.counts import SEVEN_B, STATE_BYTES, Setup
 from nnxscale.costs.derive import derive, unpriced
-from nnxscale.costs.hardware import EFFICIENCY, HARDWARE
+from nnxscale.costs.hardware import HARDWARE
 from nnxscale.costs.planner import EXPERT_PLANNED, HEADROOM, PLANNED, REMATS
+from nnxscale.costs.steps import HIDDEN
 from nnxscale.model.context import BLOCK
 from nnxscale.model.transformer import Config
 from nnxscale.placement.rules import STRATEGIES, Rules
@@ -92,7 +93,7 @@ def spec() -> dict[str, Any]:
         "degrees": DEGREES,
         "overlaps": list(OVERLAPS),
         "constants": {
-            "EFFICIENCY": EFFICIENCY,
+            "HIDDEN": list(HIDDEN),
             "HEADROOM": HEADROOM,
             "STATE_BYTES": STATE_BYTES,
             "BLOCK": BLOCK,

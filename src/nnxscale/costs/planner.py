@@ -341,8 +341,11 @@ def _check(cfg: Config, devices: int, batch: int, seq: int, memory: float) -> No
         raise ValueError(
             f"seq={seq} exceeds the model's max_len ({cfg.max_len}): raise max_len or shorten seq"
         )
-    if not memory > 0:
-        raise ValueError(f"memory_per_device must be positive bytes, got {memory!r}")
+    if not 0 < memory < math.inf:
+        raise ValueError(
+            f"memory_per_device must be positive bytes, got {memory!r}: give the device's "
+            "memory, such as 80e9 for an 80 GB H100 (a measured device's is not known)"
+        )
 
 
 def splits_the_sequence(option: Option) -> bool:

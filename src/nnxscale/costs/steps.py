@@ -12,14 +12,15 @@ from nnxscale.costs.activations import mixture
 from nnxscale.costs.arrays import Transfer
 from nnxscale.costs.counts import DTYPE_BYTES, STATE_BYTES, Setup, sizes_of
 from nnxscale.costs.derive import Costs, derive
-from nnxscale.costs.hardware import EFFICIENCY, Hardware, hardware
+from nnxscale.costs.hardware import Hardware, hardware
 from nnxscale.model.transformer import Config
 
 
 @dataclasses.dataclass(frozen=True)
 class Collective:
     """A group of collectives of one step, evaluated: bytes sent per device, seconds it takes
-    on the link its axes cross, and the seconds left exposed after overlap."""
+    on the link its axes cross, and its share of the seconds compute leaves exposed on that
+    link."""
 
     transfer: Transfer
     group: int
@@ -27,6 +28,8 @@ class Collective:
     sent: float
     seconds: float
     exposed: float
+    link: str
+    """The link it crosses: `fast` inside a fast domain, `slow` across domains."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,8 +75,13 @@ class StepCost:
 
     @property
     def bound(self) -> str:
-        """What sets the step time: compute, or communication that compute cannot hide."""
-        return "compute" if self.exposed <= 0.5 * self.step_time else "communication"
+        """What sets the step time: compute, or communication, when a link is busy longer
+        than the step computes, so that compute cannot hide its collectives (`crossover`)."""
+        busiest = max(
+            (sum(c.seconds for c in self.collectives if c.link == where)
+             for where in ("fast", "slow")),
+        )  # fmt: skip
+        return "communication" if busiest > self.compute_time else "compute"
 
 
 def memory_phases(costs: Costs, sizes: Mapping[str, float], micro: int) -> dict[str, float]:
@@ -98,15 +106,26 @@ def memory_phases(costs: Costs, sizes: Mapping[str, float], micro: int) -> dict[
     }
 
 
-def link(axes: Iterable[str], mesh: Mapping[str, int], hw: Hardware) -> tuple[float, float]:
-    """Bytes per second and seconds per step of a collective over mesh `axes`: the fast
-    links if the devices along them lie in one fast domain, else the slow ones. Devices fill
-    the mesh with the last axis fastest, so the devices along the axes span the sizes from
-    the first of them to the last axis of the mesh."""
+def within(axes: Iterable[str], mesh: Mapping[str, int], hw: Hardware) -> bool:
+    """Whether the devices along mesh `axes` lie in one fast domain. Devices fill the mesh
+    with the last axis fastest, so the devices along the axes span the sizes from the first
+    of them to the last axis of the mesh."""
     names = list(mesh)
     first = min(names.index(a) for a in axes)
-    span = math.prod(mesh[a] for a in names[first:])
-    return (hw.fast, hw.hop) if span <= hw.domain else (hw.slow, hw.far_hop)
+    return math.prod(mesh[a] for a in names[first:]) <= hw.domain
+
+
+def link(axes: Iterable[str], mesh: Mapping[str, int], hw: Hardware) -> tuple[float, float]:
+    """Bytes per second and seconds per step of a collective over mesh `axes`: the fast
+    links if the devices along them lie in one fast domain (`within`), else the slow ones.
+    On a TPU torus, a ring whose length the wraparound (`Hardware.wrap`) does not divide is
+    a line: its collectives get half the bandwidth."""
+    axes = list(axes)
+    if not within(axes, mesh, hw):
+        return hw.slow, hw.far_hop
+    n = math.prod(mesh[a] for a in axes)
+    line = hw.wrap > 0 and n % hw.wrap != 0
+    return (hw.fast / 2 if line else hw.fast), hw.hop
 
 
 def collective_seconds(
@@ -117,8 +136,9 @@ def collective_seconds(
     all-to-all's `array` is one device's buffer; on a ring it travels part-way around (the
     scaling book: a quarter of an all-gather of the whole array), through a switch only
     the pieces for others leave."""
+    axes = list(axes)
     bandwidth, hop = link(axes, mesh, hw)
-    ring = bandwidth == hw.fast and hw.ring
+    ring = hw.ring and within(axes, mesh, hw)
     steps = {"all-reduce": 2 * (n - 1), "collective-permute": 1}.get(kind, n - 1)
     if kind == "all-to-all":
         sent = (n - 1) / n * array
@@ -129,15 +149,29 @@ def collective_seconds(
     return sent, steps * hop + moved / bandwidth
 
 
-def _exposed(
-    transfer: Transfer, seconds: float, pieces: float, window: Mapping[str, float]
-) -> float:
-    """Seconds of a group of collectives that compute does not hide: all of it on the
-    critical path (`blocking`); otherwise what exceeds the compute it can overlap, plus the
-    first piece, which nothing precedes (`OVERLAPS`)."""
-    if transfer.overlap == "blocking":
-        return seconds
-    return max(0.0, seconds - window[transfer.overlap]) + seconds / max(1.0, pieces)
+HIDDEN = ("gather", "reduce", "ring")
+"""The classes of `OVERLAPS` that compute can hide; the others wait on the critical path."""
+
+
+def hide(seconds: list[float], overlap: list[str], pieces: list[float],
+         window: Mapping[str, float]) -> float:  # fmt: skip
+    """Seconds that compute leaves exposed of the collectives sharing one link that it can
+    hide (`seconds`, each of a class in `HIDDEN`, launched in `pieces`). One link carries
+    one transfer at a time, so they add up before anything hides: together they must fit in
+    the whole step's compute, the reductions in the backward pass, the ring's hops in the
+    attention (`window`). What does not fit is exposed, and so is each group's first piece,
+    which nothing precedes."""
+    total = sum(seconds)
+    if not total:
+        return 0.0
+    excess = max(
+        0.0,
+        total - window["gather"],
+        *(sum(s for s, o in zip(seconds, overlap, strict=True) if o == k) - window[k]
+          for k in ("reduce", "ring")),
+    )  # fmt: skip
+    first = sum(s / max(1.0, p) for s, p in zip(seconds, pieces, strict=True))
+    return min(total, excess + first)
 
 
 def _collectives(
@@ -147,19 +181,29 @@ def _collectives(
     hw: Hardware,
     window: dict[str, float],
 ) -> list[Collective]:
-    """Each transfer of the step that crosses devices, timed on `hw` and with the part of its
-    time that compute in its `window` (the seconds it can overlap) leaves exposed."""
-    found = []
+    """Each transfer of the step that crosses devices, timed on `hw`, exposed whole if compute
+    cannot hide it, else with its share of what compute leaves exposed on its link (`hide`,
+    per link: the fast one and the slow one run side by side)."""
+    timed = []
     for t in costs.transfers:
         n = math.prod(mesh[a] for a in t.axes)
         if n == 1:
             continue
         array, passes = t.array(sizes), t.passes(sizes)
         sent, seconds = collective_seconds(t.kind, array, n, mesh, t.axes, hw)
-        total = passes * seconds
-        exposed = _exposed(t, total, t.launches(sizes), window)
-        found.append(Collective(t, n, array, passes * sent, total, exposed))
-    return found
+        where = "fast" if within(t.axes, mesh, hw) else "slow"
+        timed.append((t, n, array, passes * sent, passes * seconds, where, t.launches(sizes)))
+    share = {}
+    for where in ("fast", "slow"):
+        group = [row for row in timed if row[5] == where and row[0].overlap in HIDDEN]
+        seconds = [row[4] for row in group]
+        overlap = [row[0].overlap for row in group]
+        exposed = hide(seconds, overlap, [row[6] for row in group], window)
+        share[where] = exposed / (sum(seconds) or 1.0)
+    return [
+        Collective(t, n, array, sent, s, s * share[where] if t.overlap in HIDDEN else s, where)
+        for t, n, array, sent, s, where, _ in timed
+    ]
 
 
 def step_cost(
@@ -169,19 +213,27 @@ def step_cost(
     batch: int,
     seq: int | None = None,
     *,
-    efficiency: float = EFFICIENCY,
+    efficiency: float | None = None,
 ) -> StepCost:
     """Memory per device at the step's peak, FLOPs, collectives and time of one step of
     `batch` sequences of `seq` tokens (default `cfg.max_len`) under `setup` on `hw`.
 
-    Compute runs at `efficiency` of peak matmul FLOP/s, plus the bytes elementwise work and
+    Compute runs at `efficiency` (default the hardware's `Hardware.efficiency`, a published
+    MFU) of peak matmul FLOP/s, plus the bytes elementwise work and
     the optimizer move through memory at the device's bandwidth. Each collective costs a
     latency per ring step and its bytes over the link its axes cross (`link`); what compute
-    can hide it behind depends on the step's dependencies (`OVERLAPS`). A pipeline runs the
+    can hide it behind depends on the step's dependencies (`OVERLAPS`), and collectives on
+    one link add up before they hide (`hide`). A pipeline runs the
     executor's lockstep ticks: each as long as a backward task (a stage rebuilt and
     differentiated, three forward passes' worth), two hand-overs per tick.
     """
     hw = hardware(hw)
+    efficiency = hw.efficiency if efficiency is None else efficiency
+    if not 0 < efficiency <= 1:
+        raise ValueError(
+            f"efficiency={efficiency!r}: the fraction of peak FLOP/s a step reaches lies in "
+            f"(0, 1]; leave it out for the MFU published for {hw.name} ({hw.efficiency:.0%})"
+        )
     seq = seq or cfg.max_len
     costs = derive(setup.rules, cfg.compute_dtype, setup.remat, mixture(cfg))
     sizes = sizes_of(cfg, setup, batch, seq)
@@ -200,7 +252,6 @@ def step_cost(
     window = {
         "gather": compute,
         "reduce": compute - forward,
-        "update": forward,
         "ring": compute * costs.attention_flops(sizes) / flops,
     }
     found = _collectives(costs, sizes, mesh, hw, window)
@@ -238,7 +289,7 @@ def ring_hop_tokens(
     mesh: Mapping[str, int],
     axis: str = "context",
     dtype: str = "bfloat16",
-    efficiency: float = EFFICIENCY,
+    efficiency: float | None = None,
     causal: bool = True,
 ) -> float:
     """Tokens of a sequence per device above which each ring-attention hop computes longer
@@ -247,8 +298,9 @@ def ring_hop_tokens(
     block in hand (a half under a causal mask, on the zig-zag ring): forward, 4 p c^2 H D
     FLOPs against a K and a V block of c H D values in `dtype`; backward, 10 p c^2 H D FLOPs
     (five products) against K and V again and their float32 gradients. The larger of the
-    two thresholds."""
+    two thresholds. `efficiency` defaults to the hardware's."""
     hw = hardware(hw)
+    efficiency = hw.efficiency if efficiency is None else efficiency
     bandwidth, _ = link([axis], mesh, hw)
     share = 0.5 if causal else 1.0
     width, reach = DTYPE_BYTES[dtype], hw.flops * efficiency / bandwidth
@@ -258,17 +310,21 @@ def ring_hop_tokens(
 
 
 def crossover(cfg: Config, setup: Setup, hw: Hardware | str, seq: int | None = None) -> float:
-    """Tokens per device below which `setup`'s weight gathers and gradient reductions take
-    longer than its compute, so that they cannot hide: they do not grow with the batch,
-    compute does. From the same collectives and compute time as `step_cost`, at one sequence
-    per data-parallel device."""
+    """Tokens per device below which `setup`'s weight gathers and gradient reductions on its
+    busiest link take longer than its compute, so that they cannot hide: they do not grow
+    with the batch, compute does. From the same collectives and compute time as
+    `step_cost`, at one sequence per data-parallel device."""
     seq = seq or cfg.max_len
     tokens = setup.rules.token_axes(setup.rules.axes)
     rows = math.prod(setup.sizes[a] for a in tokens if a != "context") * setup.micro_batches
     cost = step_cost(cfg, setup, hw, rows, seq)
-    weights = sum(
-        c.seconds for c in cost.collectives if c.transfer.overlap in ("gather", "reduce", "update")
-    )
+    weights = max(
+        (
+            sum(c.seconds for c in cost.collectives
+                if c.link == where and c.transfer.overlap in ("gather", "reduce"))
+            for where in ("fast", "slow")
+        ),
+    )  # fmt: skip
     per_device = (
         seq / math.prod(setup.sizes[a] for a in tokens if a == "context")
         if "context" in tokens

@@ -102,12 +102,14 @@ class Probe:
         self.hbm = max(self.hbm, self._moved / _seconds(self._stream, self.clock))
 
     def hardware(self, memory: float = 0.0) -> Hardware:
-        """The devices as the time model sees one device (no links); `memory` bytes if given
-        (the cost model's fit checks need it, the time model does not)."""
+        """The devices as the time model sees one device (its links: copies through its
+        memory); `memory` bytes if given (the cost model's fit checks need it, the time model
+        does not)."""
         name = f"this machine ({self._kind})"
         return Hardware(
-            name, self.flops, memory, self.hbm, 0.0, 0.0, 1, False, 0.0, 0.0, "measured"
-        )
+            name, self.flops, memory, self.hbm, self.hbm, self.hbm, 1, False, 0.0, 0.0,
+            "measured", 1.0, "measured: the FLOP/s of a large product",
+        )  # fmt: skip
 
 
 def check_clock(clock: Callable[[], float], platform: str) -> None:
