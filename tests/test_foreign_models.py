@@ -297,6 +297,7 @@ def test_every_strategy_of_the_table_builds_its_mesh() -> None:
         "TP",
         "FSDP+TP",
         "HSDP",
+        "HSDP+TP",
         "PP",
         "PP+FSDP",
         "TP+SP",
@@ -312,6 +313,7 @@ def test_every_strategy_of_the_table_builds_its_mesh() -> None:
     assert shapes["HSDP"] == {"replica": 2, "data": 4} and shapes["ZeRO-1"] == shapes["FSDP"]
     assert shapes["CP"] == {"data": 1, "context": 8} and shapes["TP+SP"] == shapes["TP"]
     assert shapes["FSDP+CP"] == {"data": 4, "context": 2}
+    assert shapes["HSDP+TP"] == {"replica": 2, "data": 2, "model": 2}
     assert shapes["EP"] == {"data": 1, "expert": 8}
     assert shapes["FSDP+EP"] == {"data": 2, "expert": 4}
     assert dict(nx.strategy_mesh(nx.auto_fsdp("x")).shape) == {"x": 8}

@@ -303,6 +303,16 @@ HSDP = Rules(
 `replica` across groups. The batch is split over both; every group holds a whole copy of
 the state, so the slow links between groups carry only a gradient all-reduce."""
 
+HSDP_TP = Rules(
+    "HSDP+TP",
+    {**FSDP_TP.logical, "batch": ((REPLICA, "data"),)},
+    axes=(REPLICA, "data", "model"),
+    sizes=(2, -1, 2),
+)
+"""FSDP+TP inside each slice or group of hosts, DP over `replica` across them: the layout
+MaxText runs across TPU slices (`ici_fsdp_parallelism` and `ici_tensor_parallelism` inside,
+`dcn_data_parallelism` across)."""
+
 SP = TP.replace(name="TP+SP", logical={**TP.logical, "residual_length": ("model",)})
 """Tensor parallelism with Megatron's sequence parallelism: the residual stream (norms,
 dropout, residual adds) split along its sequence over `model` too, so each layer's
@@ -368,6 +378,7 @@ STRATEGIES = {
         TP,
         FSDP_TP,
         HSDP,
+        HSDP_TP,
         PP,
         PP_FSDP,
         SP,
