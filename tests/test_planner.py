@@ -133,3 +133,32 @@ def test_context_parallelism_wins_once_sequences_are_long() -> None:
     assert first is not None and first > 4096
     assert planner.splits_the_sequence(plans[first].best)
     assert not any(planner.splits_the_sequence(plans[n].best) for n in lengths if n < first)
+
+
+def test_the_headline_plans_are_what_practitioners_run_and_near_ones_are_tied() -> None:
+    """Llama 3 8B at 4,096 tokens: FSDP on one host of eight H100s, hybrid sharding on
+    eight hosts; options within `TIE` of the fastest are tied, and each loser says why."""
+    practised = {"FSDP", "HSDP", "ZeRO-1", "ZeRO-2"}
+    one = planner.plan(costs.SEVEN_B, 8, "H100", global_batch=64, seq=4096)
+    eight = planner.plan(costs.SEVEN_B, 64, "H100", global_batch=512, seq=4096)
+    assert one.best.strategy in practised and eight.best.strategy in practised
+    for found in (one, eight):
+        tied = found.tied
+        assert tied[0] is found.best and len(tied) < len(found.ranked)
+        limit = found.best.cost.step_time * planner.TIE
+        assert all(o.cost.step_time <= limit for o in tied)
+        assert all(o.cost.step_time > limit for o in found.ranked[len(tied) :])
+        for option in found.ranked[1:]:
+            assert found.behind(option).startswith(
+                f"{option.cost.step_time / found.best.cost.step_time:.2f} x"
+            )
+    assert "fits, tied" in one._repr_markdown_()
+
+
+def test_the_tie_covers_the_models_spread_over_model_sizes() -> None:
+    from nnxscale.costs import runs
+
+    by_name = {r.name: r for r in runs.runs()}
+    ratios = [by_name[f"MaxText {k}B, 1 x v5e-256"].ratio for k in (16, 32, 64)]
+    spread = max(ratios) / min(ratios)
+    assert 1.05 < spread <= planner.TIE

@@ -27,8 +27,10 @@ class Hardware:
     a ring or torus (TPU ICI, where an all-to-all travels part-way around it) rather than a
     switch (NVLink). `hop` and `far_hop` are the seconds each step of a collective costs
     before any byte moves, on each kind of link. `source` is a key of the bibliography.
-    `efficiency` is the model FLOPs utilisation (MFU) large training runs reach on it, as
-    `efficiency_source` published or measured it. `wrap` is, on a TPU torus, the shortest
+    `efficiency` is the fraction of peak FLOP/s the step's products (recompute included)
+    reach on it: calibrated on a published run where the cost model expresses one
+    (`nnxscale.costs.runs`), else the model FLOPs utilisation (MFU) a large run published, a
+    lower bound; `efficiency_source` says which. `wrap` is, on a TPU torus, the shortest
     axis whose ends are joined (wraparound): a shorter one, or one it does not divide, is a
     line, and a ring collective along it gets half the bandwidth (0: every axis is a ring).
     """
@@ -54,8 +56,11 @@ class Hardware:
         known, so a fit check needs it given), an efficiency in (0, 1]."""
         rates = ("flops", "hbm", "fast", "slow", "domain")
         bad = [f"{k}={getattr(self, k)!r}" for k in rates if not 0 < getattr(self, k) < math.inf]
-        bad += [f"{k}={getattr(self, k)!r}" for k in ("memory", "hop", "far_hop")
-                if not 0 <= getattr(self, k) < math.inf]  # fmt: skip
+        bad += [
+            f"{k}={getattr(self, k)!r}"
+            for k in ("memory", "hop", "far_hop")
+            if not 0 <= getattr(self, k) < math.inf
+        ]
         if not 0 < self.efficiency <= 1:
             bad.append(f"efficiency={self.efficiency!r}")
         if bad:
@@ -67,28 +72,38 @@ class Hardware:
 
 
 _DATASHEETS = (
-    # name, bf16 FLOP/s, memory, HBM B/s, fast B/s, slow B/s, fast domain, ring, hop s,
-    # far hop s, source; MFU and where it was published; wraparound
-    ("A100", 3.12e14, 80e9, 2.039e12, 3.0e11, 2.5e10, 8, False, 3e-6, 1e-5, "nvidia2020a100",
-     0.52, "narayanan2021megatron: 1T model on 3,072 A100s, 163 TFLOP/s per GPU"),
-    ("H100", 9.89e14, 80e9, 3.35e12, 4.5e11, 5.0e10, 8, False, 3e-6, 1e-5, "nvidia2023h100",
-     0.40, "dubey2024llama: Llama 3 405B on 8,192 to 16,384 H100s, 38 to 43%"),
-    ("H200", 9.89e14, 141e9, 4.8e12, 4.5e11, 5.0e10, 8, False, 3e-6, 1e-5, "nvidia2024h200",
-     0.39, "measured: benchmarks/profile.py, 1B-wide model, 16,384 tokens, one H200"),
-    ("B200", 2.25e15, 180e9, 8.0e12, 9.0e11, 5.0e10, 8, False, 3e-6, 1e-5, "nvidia2024dgxb200",
-     0.40, "assumed: the H100's (no published MFU of a large run found)"),
-    ("TPU v4", 2.75e14, 32e9, 1.2e12, 9.0e10, 6.25e9, 4096, True, 1e-6, 1e-5,
-     "austin2025scaling", 0.462, "chowdhery2022palm: PaLM 540B on 6,144 TPU v4", 4),
-    ("TPU v5e", 1.97e14, 16e9, 8.1e11, 9.0e10, 3.125e9, 256, True, 1e-6, 1e-5,
-     "austin2025scaling", 0.60, "maxtext: 16B to 128B on one v5e-256, 56 to 67%", 16),
-    ("TPU v5p", 4.59e14, 96e9, 2.8e12, 1.8e11, 6.25e9, 6144, True, 1e-6, 1e-5,
-     "austin2025scaling", 0.65, "maxtext: 32B to 1,160B on v5p, 64 to 71%", 4),
-    ("TPU v6e", 9.2e14, 32e9, 1.6e12, 1.8e11, 12.5e9, 256, True, 1e-6, 1e-5,
-     "austin2025scaling", 0.45, "maxtext: Llama 3.1 8B to 405B on v6e-256, 39 to 50%", 16),
-)  # fmt: skip
+    # name, bf16 FLOP/s, memory, HBM B/s, fast B/s, slow B/s, fast domain, ring, hop s, far hop s
+    ("A100", 3.12e14, 80e9, 2.039e12, 3.0e11, 2.5e10, 8, False, 3e-6, 1e-5, "nvidia2020a100"),
+    ("H100", 9.89e14, 80e9, 3.35e12, 4.5e11, 5.0e10, 8, False, 3e-6, 1e-5, "nvidia2023h100"),
+    ("H200", 9.89e14, 141e9, 4.8e12, 4.5e11, 5.0e10, 8, False, 3e-6, 1e-5, "nvidia2024h200"),
+    ("B200", 2.25e15, 180e9, 8.0e12, 9.0e11, 5.0e10, 8, False, 3e-6, 1e-5, "nvidia2024dgxb200"),
+    ("TPU v4", 2.75e14, 32e9, 1.2e12, 9.0e10, 6.25e9, 4096, True, 1e-6, 1e-5, "austin2025scaling"),
+    ("TPU v5e", 1.97e14, 16e9, 8.1e11, 9.0e10, 3.125e9, 256, True, 1e-6, 1e-5, "austin2025scaling"),
+    ("TPU v5p", 4.59e14, 96e9, 2.8e12, 1.8e11, 6.25e9, 6144, True, 1e-6, 1e-5, "austin2025scaling"),
+    ("TPU v6e", 9.2e14, 32e9, 1.6e12, 1.8e11, 12.5e9, 256, True, 1e-6, 1e-5, "austin2025scaling"),
+)
+
+EFFICIENCIES = {
+    "A100": (0.52, "published MFU: narayanan2021megatron, 1T model on 3,072 A100s"),
+    "H100": (0.40, "published MFU: dubey2024llama, Llama 3 405B on 8,192 to 16,384 H100s"),
+    "H200": (0.45, "calibrated: benchmarks/profile.py's 1B-wide model on one H200"),
+    "B200": (0.40, "assumed: the H100's (no published MFU of a large run found)"),
+    "TPU v4": (0.462, "published MFU: chowdhery2022palm, PaLM 540B on 6,144 TPU v4"),
+    "TPU v5e": (0.77, "calibrated: MaxText 16B on one v5e-256"),
+    "TPU v5p": (0.83, "calibrated: MaxText 32B on one v5p-128"),
+    "TPU v6e": (0.50, "calibrated: MaxText's Llama 3.1 70B on one v6e-256"),
+}
+"""Per device, the efficiency the time model computes at and where it comes from: calibrated
+on a run of `nnxscale.costs.runs`, or a published MFU where the model cannot express a run."""
+
+WRAPAROUND = {"TPU v4": 4, "TPU v5e": 16, "TPU v5p": 4, "TPU v6e": 16}
+"""Per TPU, the shortest axis whose ends its ICI joins: a v4 or v5p cube's side, the whole
+side of a v5e or v6e pod (the scaling book)."""
 
 
-HARDWARE = {row[0]: Hardware(*row) for row in _DATASHEETS}
+HARDWARE = {
+    row[0]: Hardware(*row, *EFFICIENCIES[row[0]], WRAPAROUND.get(row[0], 0)) for row in _DATASHEETS
+}
 """Datasheet numbers per device (links: TPU ICI bidirectional bandwidth of one axis and DCN
 per chip; GPU NVLink one way per GPU, and one network adapter per GPU on its own rail:
 200 Gb/s on an A100 host, 400 Gb/s on the others). A fast domain is a host of eight GPUs,

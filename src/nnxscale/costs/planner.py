@@ -33,6 +33,12 @@ HEADROOM = TOLERANCE[1]
 """The planner asks that the predicted peak times this fit the device's memory: a plan that
 fits keeps fitting if the compiler holds as much beyond the ledger as it did here."""
 
+TIE = 1.15
+"""Options whose predicted step times lie within this factor of the fastest's are tied: the
+time model predicts published runs that differ only in model size within a spread of 12%
+(MaxText's 16B, 32B and 64B on one v5e slice, `nnxscale.costs.runs`), so a smaller gap
+between two plans is not evidence that one is faster."""
+
 PLANNED = (
     "DP",
     "ZeRO-2",
@@ -193,6 +199,30 @@ class Plan:
             )
         return self.ranked[0]
 
+    @property
+    def tied(self) -> list[Option]:
+        """The options whose predicted step lies within `TIE` of the fastest's, the fastest
+        first: the time model cannot tell them apart."""
+        if not self.ranked:
+            return []
+        limit = self.ranked[0].cost.step_time * TIE
+        return [o for o in self.ranked if o.cost.step_time <= limit]
+
+    def behind(self, option: Option) -> str:
+        """Why `option` is slower than the fastest: the seconds of compute (remat,
+        micro-batches, a pipeline's idle ticks) and of exposed communication it adds."""
+        best, cost = self.best.cost, option.cost
+        if cost is None:
+            return option.reason
+        parts = {
+            "compute": cost.compute_time - best.compute_time,
+            "exposed communication": cost.exposed - best.exposed,
+        }
+        added = [f"{k} {v:+.3f} s" for k, v in parts.items() if abs(v) > 1e-3 * best.step_time]
+        return f"{cost.step_time / best.step_time:.2f} x the fastest's step: " + (
+            ", ".join(added) or "the same times"
+        )
+
     def __getitem__(self, strategy: str) -> Option:
         """The fastest fitting option of a rule set, or its leanest if none fits."""
         fitting = [o for o in self.ranked if o.strategy == strategy]
@@ -206,8 +236,9 @@ class Plan:
 
     def _repr_markdown_(self) -> str:
         rows = []
+        tied = {id(o) for o in self.tied}
         for rank, option in enumerate(self.ranked, start=1):
-            rows.append([rank, *_columns(option), "fits"])
+            rows.append([rank, *_columns(option), "fits, tied" if id(option) in tied else "fits"])
         for name, why in self.rejected.items():
             rows.append(["-", name, "-", "-", "-", "-", "-", "-", why])
         headers = [
@@ -224,7 +255,7 @@ class Plan:
         title = (
             f"{self.devices} x {self.hardware.name}, {self.memory / 1e9:.0f} GB each (a plan "
             f"fits if its peak x {HEADROOM} does); {self.batch} sequences of {self.seq} tokens; "
-            f"{len(self.options)} options priced"
+            f"{len(self.options)} options priced; tied: within {TIE} x the fastest's step"
         )
         return str(table(headers, rows, title))
 

@@ -78,9 +78,11 @@ class StepCost:
         """What sets the step time: compute, or communication, when a link is busy longer
         than the step computes, so that compute cannot hide its collectives (`crossover`)."""
         busiest = max(
-            (sum(c.seconds for c in self.collectives if c.link == where)
-             for where in ("fast", "slow")),
-        )  # fmt: skip
+            (
+                sum(c.seconds for c in self.collectives if c.link == where)
+                for where in ("fast", "slow")
+            ),
+        )
         return "communication" if busiest > self.compute_time else "compute"
 
 
@@ -153,8 +155,9 @@ HIDDEN = ("gather", "reduce", "ring")
 """The classes of `OVERLAPS` that compute can hide; the others wait on the critical path."""
 
 
-def hide(seconds: list[float], overlap: list[str], pieces: list[float],
-         window: Mapping[str, float]) -> float:  # fmt: skip
+def hide(
+    seconds: list[float], overlap: list[str], pieces: list[float], window: Mapping[str, float]
+) -> float:
     """Seconds that compute leaves exposed of the collectives sharing one link that it can
     hide (`seconds`, each of a class in `HIDDEN`, launched in `pieces`). One link carries
     one transfer at a time, so they add up before anything hides: together they must fit in
@@ -167,9 +170,11 @@ def hide(seconds: list[float], overlap: list[str], pieces: list[float],
     excess = max(
         0.0,
         total - window["gather"],
-        *(sum(s for s, o in zip(seconds, overlap, strict=True) if o == k) - window[k]
-          for k in ("reduce", "ring")),
-    )  # fmt: skip
+        *(
+            sum(s for s, o in zip(seconds, overlap, strict=True) if o == k) - window[k]
+            for k in ("reduce", "ring")
+        ),
+    )
     first = sum(s / max(1.0, p) for s, p in zip(seconds, pieces, strict=True))
     return min(total, excess + first)
 
@@ -320,11 +325,14 @@ def crossover(cfg: Config, setup: Setup, hw: Hardware | str, seq: int | None = N
     cost = step_cost(cfg, setup, hw, rows, seq)
     weights = max(
         (
-            sum(c.seconds for c in cost.collectives
-                if c.link == where and c.transfer.overlap in ("gather", "reduce"))
+            sum(
+                c.seconds
+                for c in cost.collectives
+                if c.link == where and c.transfer.overlap in ("gather", "reduce")
+            )
             for where in ("fast", "slow")
         ),
-    )  # fmt: skip
+    )
     per_device = (
         seq / math.prod(setup.sizes[a] for a in tokens if a == "context")
         if "context" in tokens

@@ -107,9 +107,20 @@ class Probe:
         does not)."""
         name = f"this machine ({self._kind})"
         return Hardware(
-            name, self.flops, memory, self.hbm, self.hbm, self.hbm, 1, False, 0.0, 0.0,
-            "measured", 1.0, "measured: the FLOP/s of a large product",
-        )  # fmt: skip
+            name,
+            self.flops,
+            memory,
+            self.hbm,
+            self.hbm,
+            self.hbm,
+            1,
+            False,
+            0.0,
+            0.0,
+            "measured",
+            1.0,
+            "measured: the FLOP/s of a large product",
+        )
 
 
 def check_clock(clock: Callable[[], float], platform: str) -> None:

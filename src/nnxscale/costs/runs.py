@@ -1,0 +1,437 @@
+"""Training runs others published (and one measured for this book), each as the cost model
+sees it: the model, the devices, the layout and the batch, the quantity measured, and the
+model's prediction of it. `benchmarks/published.py` prints them; chapter 12 holds the table.
+
+One run per device kind calibrates that device's `Hardware.efficiency` (`calibrate`: the
+efficiency at which the model reproduces it exactly); every other row tests the rest of the
+model: other sizes, layouts, slice counts and sequence lengths on the same device.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from nnxscale.costs.counts import Setup, step_flops
+from nnxscale.costs.derive import unsuitable
+from nnxscale.costs.hardware import hardware
+from nnxscale.costs.steps import step_cost
+from nnxscale.model.configs import LLAMA3_8B, LLAMA3_70B, LLAMA3_405B
+from nnxscale.model.transformer import Config
+from nnxscale.placement.rules import STRATEGIES
+
+QUANTITIES = ("TFLOP/s per device", "tokens/s per device", "MFU", "step time (s)")
+"""What a run reports: model FLOPs per device per second (the step's products, no
+recompute counted), tokens per device per second, model FLOPs utilisation, or step time."""
+
+WORST = 1.5
+"""The largest factor by which a prediction may miss a published number it can reproduce."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+    """One published training run: `batch` sequences of `seq` tokens a step on `mesh` of
+    `hardware` under rule set `rules` (None when the library cannot express its layout,
+    and `why` says so), and the `published` value of `quantity`, from `source` (a key of
+    the bibliography) at `where` in it."""
+
+    name: str
+    cfg: Config
+    hardware: str
+    rules: str | None
+    mesh: dict[str, int]
+    batch: int
+    seq: int
+    remat: bool | str
+    quantity: str
+    published: float
+    source: str
+    where: str
+    why: str = ""
+    calibrates: bool = False
+
+    @property
+    def devices(self) -> int:
+        """How many devices ran it."""
+        return math.prod(self.mesh.values())
+
+    def setup(self) -> Setup:
+        """Its layout as the cost model takes it."""
+        return Setup.of(STRATEGIES[str(self.rules)], self.mesh, 1, self.remat)
+
+    def predicted(self, efficiency: float | None = None) -> float | None:
+        """The cost model's value of `quantity` (None when it cannot express the run)."""
+        if self.rules is None:
+            return None
+        hw = hardware(self.hardware)
+        cost = step_cost(self.cfg, self.setup(), hw, self.batch, self.seq, efficiency=efficiency)
+        flops = step_flops(self.cfg, self.batch, self.seq) / self.devices
+        return {
+            "TFLOP/s per device": flops / cost.step_time / 1e12,
+            "tokens/s per device": self.batch * self.seq / self.devices / cost.step_time,
+            "MFU": flops / cost.step_time / hw.flops,
+            "step time (s)": cost.step_time,
+        }[self.quantity]
+
+    @property
+    def ratio(self) -> float | None:
+        """Predicted over published (None when the model cannot express the run)."""
+        predicted = self.predicted()
+        return None if predicted is None else predicted / self.published
+
+    def problem(self) -> str:
+        """Why the layout cannot run this model and batch, or ''."""
+        return (
+            why if (why := self.why) else unsuitable(self.cfg, self.setup(), self.batch, self.seq)
+        )
+
+
+def calibrate(run: Run) -> float:
+    """The efficiency at which the cost model reproduces `run` exactly (bisection: a higher
+    efficiency is a faster step)."""
+    low, high = 1e-3, 1.0
+    faster = run.quantity != "step time (s)"
+    for _ in range(60):
+        middle = (low + high) / 2
+        above = run.predicted(middle) > run.published  # type: ignore[operator]
+        if above == faster:
+            high = middle
+        else:
+            low = middle
+    return (low + high) / 2
+
+
+def maxtext(scale: int, seq: int = 2048) -> Config:
+    """MaxText's `global_parameter_scale` model (MaxText's base.yml scaled as its
+    `get_individual_scales` does: heads and MLP, then width, then layers, each doubled in
+    turn), a Llama-2-style decoder with 32,000 tokens."""
+    steps, rest = divmod(int(math.log2(scale)), 3)
+    heads, width = steps + (rest > 0), steps + (rest > 1)
+    return Config(
+        vocab=32_000,
+        embed=2048 * 2**width,
+        heads=16 * 2**heads,
+        kv_heads=16 * 2**heads,
+        head_dim=128,
+        mlp=7168 * 2**heads,
+        layers=16 * 2**steps,
+        max_len=seq,
+        dropout=0.0,
+        scan_layers=True,
+        compute_dtype="bfloat16",
+    )
+
+
+LLAMA2_70B = LLAMA3_70B.replace(vocab=32_000, max_len=4096)
+"""Llama 2 70B: Llama 3 70B's layers with a 32,000-token vocabulary."""
+
+PALM_540B = Config(
+    vocab=256_000,
+    embed=18_432,
+    heads=48,
+    kv_heads=1,
+    head_dim=256,
+    mlp=73_728,
+    layers=118,
+    max_len=2048,
+    tie_embeddings=True,
+    dropout=0.0,
+    scan_layers=True,
+    compute_dtype="bfloat16",
+)
+"""PaLM 540B (Chowdhery et al. 2022, table 1): multi-query attention, SwiGLU, shared
+input and output embeddings."""
+
+ONE_B_WIDE = Config(
+    vocab=32_000,
+    embed=2048,
+    heads=16,
+    head_dim=128,
+    mlp=8192,
+    layers=4,
+    max_len=1024,
+    dropout=0.0,
+    scan_layers=True,
+    compute_dtype="bfloat16",
+)
+"""`benchmarks/profile.py`'s `1B-wide` model, as it ran on one H200."""
+
+_V5E = {
+    16: (6, (120, 117, 117, 115, 111, 108)),
+    32: (4, (132, 128, 126, 125, 123, 119)),
+    64: (2, (118, 112, 110, 108, 105, 99)),
+    128: (1, (110, 110, 108, 104, 100, 91)),
+}
+"""MaxText's v5e table: per model scale, the batch per chip and the TFLOP/s per chip on 1, 2,
+4, 8, 16 and 32 slices of 256 chips."""
+
+
+def _v5e() -> list[Run]:
+    """MaxText's runs on 1 to 32 TPU v5e-256 slices: FSDP inside a slice, DP across (128B:
+    FSDP 16 x TP 16 inside), full remat."""
+    runs = []
+    for scale, (per_chip, tflops) in _V5E.items():
+        for slices, value in zip((1, 2, 4, 8, 16, 32), tflops, strict=True):
+            inside = {"data": 16, "model": 16} if scale == 128 else {"data": 256}
+            rules = (
+                ("HSDP+TP" if scale == 128 else "HSDP")
+                if slices > 1
+                else ("FSDP+TP" if scale == 128 else "FSDP")
+            )
+            mesh = {"replica": slices, **inside} if slices > 1 else inside
+            runs.append(
+                Run(
+                    f"MaxText {scale}B, {slices} x v5e-256",
+                    maxtext(scale),
+                    "TPU v5e",
+                    rules,
+                    mesh,
+                    per_chip * 256 * slices,
+                    2048,
+                    "full",
+                    "TFLOP/s per device",
+                    value,
+                    "maxtext2025",
+                    "configs/tpu/v5e/README.md",
+                    calibrates=(scale, slices) == (16, 1),
+                )
+            )
+    return runs
+
+
+_V5P = {
+    32: (6, 4, "dots", {64: (328, 319)}),
+    64: (3, 4, "dots", {64: (323, 309)}),
+    128: (1, 8, "dots", {128: (315, 305), 256: (316, 274)}),
+    256: (1, 8, "dots", {512: (308, 289)}),
+    512: (2, 8, "full", {512: (294, 282)}),
+    1024: (2, 16, "full", {1024: (254, 237), 2048: (297, 279)}),
+}
+"""MaxText's v5p table: per model scale, the batch per chip, the tensor-parallel width, the
+remat policy (MaxText's `minimal` saves the products' outputs, as `dots` does), and per
+slice size in chips (a v5p-N slice has N / 2 chips) the TFLOP/s per chip on 1 and 2 slices."""
+
+
+def _v5p() -> list[Run]:
+    """MaxText's runs on one and two TPU v5p slices: FSDP x TP inside, DP across."""
+    runs = []
+    for scale, (per_chip, tp, remat, slices) in _V5P.items():
+        for chips, values in slices.items():
+            for count, value in zip((1, 2), values, strict=True):
+                inside = {"data": chips // tp, "model": tp}
+                mesh = {"replica": 2, **inside} if count == 2 else inside
+                runs.append(
+                    Run(
+                        f"MaxText {scale}B, {count} x v5p-{2 * chips}",
+                        maxtext(scale),
+                        "TPU v5p",
+                        "HSDP+TP" if count == 2 else "FSDP+TP",
+                        mesh,
+                        per_chip * chips * count,
+                        2048,
+                        remat,
+                        "TFLOP/s per device",
+                        value,
+                        "maxtext2025",
+                        "configs/tpu/v5p/README.md",
+                        calibrates=(scale, count) == (32, 1),
+                    )
+                )
+    return runs
+
+
+_PIPELINE = (
+    "TP x PP x DP: the cost model prices a pipeline by the book's lockstep executor, not by "
+    "the 1F1B or interleaved schedule that ran"
+)
+_V6E = "docs/reference/models/tiering.md and its recipes"
+_LLAMA3 = "table 4 (8k tokens: TP 8, CP 1, PP 16, DP 64 or 128; 131k tokens: CP 16)"
+_TPU_V6E = {"hardware": "TPU v6e", "rules": "FSDP", "mesh": {"data": 256}, "source": "maxtext2025"}
+_LLAMA3_405B = {"hardware": "H100", "rules": None, "seq": 8192, "remat": "dots"}
+_TFLOPS = {"quantity": "TFLOP/s per device"}
+
+MEGATRON_1T = Config(
+    vocab=51_200,
+    embed=25_600,
+    heads=160,
+    head_dim=160,
+    mlp=4 * 25_600,
+    layers=128,
+    max_len=2048,
+    dropout=0.0,
+    scan_layers=True,
+    compute_dtype="bfloat16",
+)
+"""Megatron-LM's 1T GPT (Narayanan et al. 2021, table 1), in the book's architecture."""
+
+OTHER_RUNS = (
+    Run(
+        name="Llama 3.1 8B, v6e-256",
+        cfg=LLAMA3_8B,
+        batch=4 * 256,
+        seq=8192,
+        remat="dots",
+        quantity="tokens/s per device",
+        published=7207,
+        where=_V6E,
+        **_TPU_V6E,
+    ),
+    Run(
+        name="Llama 3.1 70B, v6e-256",
+        cfg=LLAMA3_70B,
+        batch=5 * 256,
+        seq=8192,
+        remat="dots",
+        quantity="tokens/s per device",
+        published=960,
+        where=_V6E,
+        calibrates=True,
+        **_TPU_V6E,
+    ),
+    Run(
+        name="Llama 2 70B, v6e-256",
+        cfg=LLAMA2_70B,
+        batch=4 * 256,
+        seq=4096,
+        remat="full",
+        quantity="tokens/s per device",
+        published=900,
+        where=_V6E,
+        **_TPU_V6E,
+    ),
+    Run(
+        name="PaLM 540B, 6,144 TPU v4",
+        cfg=PALM_540B,
+        hardware="TPU v4",
+        rules="HSDP+TP",
+        mesh={"replica": 2, "data": 256, "model": 12},
+        batch=2048,
+        seq=2048,
+        remat="full",
+        quantity="MFU",
+        published=0.462,
+        source="chowdhery2022palm",
+        where="section 4 and table 3 (2 pods: TP 12 x FSDP 256 each)",
+        why="multi-query attention under TP 12: its one key/value head is copied to every "
+        "device of the model axis, and the rule sets split kv_heads over it",
+    ),
+    Run(
+        name="1B-wide, one H200 (this book)",
+        cfg=ONE_B_WIDE,
+        hardware="H200",
+        rules="DP",
+        mesh={"data": 1},
+        batch=16,
+        seq=1024,
+        remat=False,
+        quantity="step time (s)",
+        published=0.08031,
+        source="measured",
+        where="benchmarks/profile.py, 2026-11-27",
+        calibrates=True,
+    ),
+    Run(
+        name="Llama 3.1 405B, 8,192 H100s, 8k",
+        cfg=LLAMA3_405B,
+        mesh={"stage": 16, "data": 64, "model": 8},
+        batch=1024,
+        published=430,
+        source="dubey2024llama",
+        where=_LLAMA3,
+        why=_PIPELINE,
+        **_LLAMA3_405B,
+        **_TFLOPS,
+    ),
+    Run(
+        name="Llama 3.1 405B, 16,384 H100s, 8k",
+        cfg=LLAMA3_405B,
+        mesh={"stage": 16, "data": 128, "model": 8},
+        batch=2048,
+        published=400,
+        source="dubey2024llama",
+        where=_LLAMA3,
+        why=_PIPELINE,
+        **_LLAMA3_405B,
+        **_TFLOPS,
+    ),
+    Run(
+        name="Llama 3.1 405B, 16,384 H100s, 131k",
+        cfg=LLAMA3_405B.replace(max_len=131_072),
+        hardware="H100",
+        rules=None,
+        mesh={"stage": 16, "data": 8, "context": 16, "model": 8},
+        batch=128,
+        seq=131_072,
+        remat="dots",
+        published=380,
+        source="dubey2024llama",
+        where=_LLAMA3,
+        why="with CP 16: " + _PIPELINE,
+        **_TFLOPS,
+    ),
+    Run(
+        name="Megatron-LM 1T, 3,072 A100s",
+        cfg=MEGATRON_1T,
+        hardware="A100",
+        rules=None,
+        mesh={"stage": 64, "data": 6, "model": 8},
+        batch=3072,
+        seq=2048,
+        remat="full",
+        published=163,
+        source="narayanan2021megatron",
+        where="table 1 (TP 8, PP 64, DP 6)",
+        why=_PIPELINE,
+        **_TFLOPS,
+    ),
+)
+"""Runs from other sources: MaxText's v6e recipes, PaLM on TPU v4, Llama 3 and Megatron-LM
+on GPUs, and this book's own run on one H200."""
+
+
+def runs() -> list[Run]:
+    """Every published run the book confronts the cost model with."""
+    return _v5e() + _v5p() + list(OTHER_RUNS)
+
+
+COLUMNS = ("run", "device", "layout", "quantity", "published", "model", "ratio", "source")
+"""The columns of `rows`."""
+
+
+def layout(run: Run) -> str:
+    """The run's rule set and mesh in words, as `name on axis size x ...`."""
+    mesh = " x ".join(f"{axis} {size}" for axis, size in run.mesh.items())
+    return f"{run.rules or 'not expressible'}: {mesh}"
+
+
+def rows(found: list[Run] | None = None) -> list[list[object]]:
+    """One row per run (`COLUMNS`): the prediction and its ratio to the published value, or
+    the reason the model cannot reproduce it, and its source."""
+    table = []
+    for run in runs() if found is None else found:
+        problem = run.problem()
+        predicted = None if problem else run.predicted()
+        ratio = "" if predicted is None else f"{predicted / run.published:.2f}"
+        mark = " (calibrates)" if run.calibrates else ""
+        table.append(
+            [
+                run.name + mark,
+                run.hardware,
+                layout(run),
+                run.quantity,
+                f"{run.published:,.4g}",
+                problem if predicted is None else f"{predicted:,.4g}",
+                ratio,
+                f"{run.source}, {run.where}",
+            ]
+        )
+    return table
+
+
+def worst(found: list[Run] | None = None) -> tuple[float, Run]:
+    """The run the model misses by the largest factor (either way) among those it can
+    reproduce, and that factor."""
+    priced = [r for r in (runs() if found is None else found) if not r.problem()]
+    factor = {id(r): max(r.ratio, 1 / r.ratio) for r in priced}  # type: ignore[arg-type, operator]
+    run = max(priced, key=lambda r: factor[id(r)])
+    return factor[id(run)], run

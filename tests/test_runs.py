@@ -1,0 +1,44 @@
+"""The cost model against published runs (`nnxscale.costs.runs`)."""
+
+from __future__ import annotations
+
+import pytest
+
+from nnxscale import costs
+from nnxscale.costs import runs
+
+
+def test_the_model_reproduces_at_least_40_published_runs_within_the_stated_factor() -> None:
+    found = runs.runs()
+    priced = [r for r in found if not r.problem()]
+    assert len(priced) >= 40 and len({r.source for r in found}) >= 5
+    factor, run = runs.worst(found)
+    assert factor <= runs.WORST, run.name
+    assert {r.quantity for r in found} <= set(runs.QUANTITIES)
+
+
+def test_a_run_the_model_cannot_express_says_why_and_stays_in_the_table() -> None:
+    table = {row[0]: row for row in runs.rows()}
+    llama = table["Llama 3.1 405B, 16,384 H100s, 8k"]
+    assert llama[6] == "" and "lockstep executor" in llama[5]
+    palm = table["PaLM 540B, 6,144 TPU v4"]
+    assert "key/value head" in palm[5] and palm[6] == ""
+    assert len(table) == len(runs.runs())
+
+
+def test_each_calibrating_run_gives_the_efficiency_the_library_states() -> None:
+    calibrating = [r for r in runs.runs() if r.calibrates and not r.problem()]
+    assert {r.hardware for r in calibrating} == {"TPU v5e", "TPU v5p", "TPU v6e", "H200"}
+    for run in calibrating:
+        efficiency = runs.calibrate(run)
+        assert costs.HARDWARE[run.hardware].efficiency == pytest.approx(efficiency, abs=0.005)
+        assert run.predicted(efficiency) == pytest.approx(run.published, rel=1e-6)
+    uncalibrated = {hw.name for hw in costs.HARDWARE.values()} - {r.hardware for r in calibrating}
+    for name in uncalibrated:
+        assert not costs.HARDWARE[name].efficiency_source.startswith("calibrated")
+
+
+def test_maxtexts_scaled_models_have_the_sizes_their_names_say() -> None:
+    for scale in (16, 32, 64, 128, 256, 512, 1024):
+        total = costs.counts(runs.maxtext(scale)).total
+        assert 0.9 * scale * 1e9 <= total <= 1.05 * scale * 1e9, (scale, total)
