@@ -18,11 +18,11 @@ def main() -> None:
     found = runs.runs()
     print(table(list(runs.COLUMNS), runs.rows(found)))
     factor, run = runs.worst(found)
-    priced = sum(not r.problem() for r in found)
+    priced = sum(not r.problem() and not r.misses for r in found)
     sources = len({r.source for r in found})
     verdict = "within" if factor <= runs.WORST else "OUTSIDE"
     print(
-        f"\n{len(found)} runs from {sources} sources, {priced} reproduced; worst factor "
+        f"\n{len(found)} runs from {sources} sources, {priced} held to the factor; worst "
         f"{factor:.2f} ({run.name}), {verdict} {runs.WORST}"
     )
     for r in found:

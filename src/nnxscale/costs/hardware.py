@@ -86,7 +86,7 @@ _DATASHEETS = (
 EFFICIENCIES = {
     "A100": (0.52, "published MFU: narayanan2021megatron, 1T model on 3,072 A100s"),
     "H100": (0.40, "published MFU: dubey2024llama, Llama 3 405B on 8,192 to 16,384 H100s"),
-    "H200": (0.45, "calibrated: benchmarks/profile.py's 1B-wide model on one H200"),
+    "H200": (0.45, "calibrated: benchmarks/time_model.py's 1B-wide model on one H200"),
     "B200": (0.40, "assumed: the H100's (no published MFU of a large run found)"),
     "TPU v4": (0.462, "published MFU: chowdhery2022palm, PaLM 540B on 6,144 TPU v4"),
     "TPU v5e": (0.77, "calibrated: MaxText 16B on one v5e-256"),
