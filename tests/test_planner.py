@@ -28,15 +28,28 @@ def test_tensor_parallelism_stays_inside_a_host() -> None:
 def test_a_fitting_plan_fits_with_the_headroom(seven: planner.Plan) -> None:
     assert seven.ranked and seven.best.fits
     for option in seven.ranked:
-        assert option.cost.peak * planner.HEADROOM <= 80e9
+        assert option.cost.peak * planner.HEADROOM <= 60e9  # JAX's 75% of an H100's 80 GB
     times = [o.cost.step_time for o in seven.ranked]
     assert times == sorted(times)
-    assert {o.strategy for o in seven.ranked} >= {"FSDP", "ZeRO-2", "FSDP+TP", "TP", "PP"}
+    assert {o.strategy for o in seven.ranked} >= {"FSDP", "FSDP+TP", "TP"}
+
+
+def test_a_gpu_plan_fits_the_share_jax_preallocates_and_says_so(seven: planner.Plan) -> None:
+    """JAX gives arrays 75% of a GPU's memory by default: ZeRO-2 and the pipeline fit an
+    H100's 80 GB but not its 60, and the plan names the variable that changes it."""
+    assert seven.memory == 0.75 * 80e9 and not seven["ZeRO-2"].fits and not seven["PP"].fits
+    assert "XLA_PYTHON_CLIENT_MEM_FRACTION" in seven._repr_markdown_()
+    whole = planner.plan(costs.SEVEN_B, 8, "H100", global_batch=64, seq=4096,
+                         memory_per_device=80e9)  # fmt: skip
+    assert whole["ZeRO-2"].fits and whole["PP"].fits
+    assert "XLA_PYTHON_CLIENT_MEM_FRACTION" not in whole._repr_markdown_()
+    tpu = planner.plan(costs.SEVEN_B, 8, "TPU v5p", global_batch=64, seq=4096)
+    assert tpu.memory == costs.HARDWARE["TPU v5p"].memory
 
 
 def test_rejections_name_the_leanest_option_and_the_memory(seven: planner.Plan) -> None:
     assert seven.rejected["DP"].startswith("needs 192.7 GB per device at its leanest (DP on data 8")
-    assert "of 80 GB" in seven.rejected["DP"]
+    assert "of 60 GB" in seven.rejected["DP"]
     assert "| rank |" in seven._repr_markdown_()
     with pytest.raises(KeyError, match="no option of rule set 'ZeRO-1'"):
         seven["ZeRO-1"]
@@ -124,7 +137,7 @@ def test_a_4k_sequence_is_not_split_on_h100s(devices: int) -> None:
     pre-training at 8,192 tokens)."""
     found = planner.plan(costs.SEVEN_B, devices, "H100", global_batch=4 * devices, seq=4096)
     assert not planner.splits_the_sequence(found.best)
-    assert any(planner.splits_the_sequence(o) for o in found.ranked)  # CP was priced
+    assert any(planner.splits_the_sequence(o) for o in found.options if o.cost)  # CP priced
 
 
 def test_context_parallelism_wins_once_sequences_are_long() -> None:

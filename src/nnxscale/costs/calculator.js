@@ -203,7 +203,8 @@
         out.innerHTML = `<p data-field="verdict">cannot run: ${r.reason}</p>`;
         return;
       }
-      const limit = hw.memory / spec.constants.HEADROOM;
+      const usable = hw.memory * hw.usable; // nnxscale.costs.Hardware.usable: JAX's share on a GPU
+      const limit = usable / spec.constants.HEADROOM;
       const scale = Math.max(r.peak, hw.memory);
       const bar = Object.entries(r.memory).map(([k, b]) =>
         `<span title="${k}" style="display:inline-block;height:1.2rem;background:${COLORS[k]};width:${(100 * b) / scale}%"></span>`
@@ -213,7 +214,7 @@
         ["parameter count", (r.params / 1e9).toFixed(3) + " billion", r.params],
         ["mesh", Object.entries(r.mesh).filter(([, s]) => s > 1).map(([a, s]) => `${a} ${s}`).join(" x ") || "one device", ""],
         ...Object.entries(r.memory).map(([k, b]) => [k, gb(b), b]),
-        ["peak per device", `${gb(r.peak)}: ${fits ? "fits" : "does not fit"} (x ${spec.constants.HEADROOM} headroom, of ${gb(hw.memory)})`, r.peak],
+        ["peak per device", `${gb(r.peak)}: ${fits ? "fits" : "does not fit"} (x ${spec.constants.HEADROOM} headroom, of ${gb(usable)}${hw.usable < 1 ? `, JAX's default ${Math.round(100 * hw.usable)}% of ${gb(hw.memory)}` : ""})`, r.peak],
         ["bytes sent per device", gb(r.sent), r.sent],
         ["FLOPs per device", r.flops.toExponential(3), r.flops],
         ["compute time", r.compute_time.toFixed(4) + " s", r.compute_time],
@@ -226,7 +227,7 @@
         `<span class="nnxscale-calc-limit" style="left:${(100 * limit) / scale}%"></span></div>` +
         `<div class="nnxscale-calc-legend">` +
         Object.keys(COLORS).map((k) => `<span><i style="background:${COLORS[k]}"></i>${k}</span>`).join("") +
-        `<span>dashed line: the device's memory less the headroom</span></div><table class="nnxscale-calc-table"><tbody>` +
+        `<span>dashed line: the memory arrays get, less the headroom</span></div><table class="nnxscale-calc-table"><tbody>` +
         rows.map(([k, text, value]) => `<tr><th>${k}</th><td data-field="${k}" data-value="${value}">${text}</td></tr>`).join("") +
         `</tbody></table>`;
     };

@@ -33,6 +33,7 @@ class Hardware:
     lower bound; `efficiency_source` says which. `wrap` is, on a TPU torus, the shortest
     axis whose ends are joined (wraparound): a shorter one, or one it does not divide, is a
     line, and a ring collective along it gets half the bandwidth (0: every axis is a ring).
+    `usable` is the share of `memory` the runtime gives arrays by default (`RUNTIME_SHARE`).
     """
 
     name: str
@@ -49,11 +50,12 @@ class Hardware:
     efficiency: float = EFFICIENCY
     efficiency_source: str = "assumed"
     wrap: int = 0
+    usable: float = 1.0
 
     def __post_init__(self) -> None:
         """Refuse a description the time model would turn into nonsense: every rate a
         positive finite number, memory and latencies finite and not negative (memory 0: not
-        known, so a fit check needs it given), an efficiency in (0, 1]."""
+        known, so a fit check needs it given), an efficiency and a usable share in (0, 1]."""
         rates = ("flops", "hbm", "fast", "slow", "domain")
         bad = [f"{k}={getattr(self, k)!r}" for k in rates if not 0 < getattr(self, k) < math.inf]
         bad += [
@@ -61,13 +63,16 @@ class Hardware:
             for k in ("memory", "hop", "far_hop")
             if not 0 <= getattr(self, k) < math.inf
         ]
-        if not 0 < self.efficiency <= 1:
-            bad.append(f"efficiency={self.efficiency!r}")
+        bad += [
+            f"{k}={getattr(self, k)!r}"
+            for k in ("efficiency", "usable")
+            if not 0 < getattr(self, k) <= 1
+        ]
         if bad:
             raise ValueError(
                 f"hardware {self.name!r} has {', '.join(bad)}: rates, sizes and latencies must "
                 "be positive finite numbers (bytes, bytes per second, FLOP/s, seconds), and the "
-                "efficiency a fraction of peak in (0, 1], such as 0.4"
+                "efficiency and the usable share fractions in (0, 1], such as 0.4"
             )
 
 
@@ -96,13 +101,29 @@ EFFICIENCIES = {
 """Per device, the efficiency the time model computes at and where it comes from: calibrated
 on a run of `nnxscale.costs.runs`, or a published MFU where the model cannot express a run."""
 
+GPU_PREALLOCATION = 0.75
+"""The share of a GPU's memory JAX preallocates for arrays by default; the environment
+variable XLA_PYTHON_CLIENT_MEM_FRACTION changes it (NVIDIA's guide suggests 0.8 to 0.9)."""
+
+RUNTIME_SHARE = {
+    "A100": GPU_PREALLOCATION,
+    "H100": GPU_PREALLOCATION,
+    "H200": GPU_PREALLOCATION,
+    "B200": GPU_PREALLOCATION,
+}
+"""Per device, the share of its memory the runtime gives arrays by default: on GPUs what JAX
+preallocates, on TPUs all of it."""
+
 WRAPAROUND = {"TPU v4": 4, "TPU v5e": 16, "TPU v5p": 4, "TPU v6e": 16}
 """Per TPU, the shortest axis whose ends its ICI joins: a v4 or v5p cube's side, the whole
 side of a v5e or v6e pod (the scaling book)."""
 
 
 HARDWARE = {
-    row[0]: Hardware(*row, *EFFICIENCIES[row[0]], WRAPAROUND.get(row[0], 0)) for row in _DATASHEETS
+    row[0]: Hardware(
+        *row, *EFFICIENCIES[row[0]], WRAPAROUND.get(row[0], 0), RUNTIME_SHARE.get(row[0], 1.0)
+    )
+    for row in _DATASHEETS
 }
 """Datasheet numbers per device (links: TPU ICI bidirectional bandwidth of one axis and DCN
 per chip; GPU NVLink one way per GPU, and one network adapter per GPU on its own rail:

@@ -193,7 +193,7 @@ class Plan:
         if not self.ranked:
             reasons = "; ".join(f"{name}: {why}" for name, why in self.rejected.items())
             raise ValueError(
-                f"no plan fits {self.devices} x {self.hardware.name} ({self.memory / 1e9:.0f} GB "
+                f"no plan fits {self.devices} x {self.hardware.name} ({_memory(self)} "
                 f"each) for {self.batch} sequences of {self.seq} tokens: {reasons}. Use more "
                 "devices, devices with more memory, a smaller batch or shorter sequences."
             )
@@ -253,7 +253,7 @@ class Plan:
             "verdict",
         ]
         title = (
-            f"{self.devices} x {self.hardware.name}, {self.memory / 1e9:.0f} GB each (a plan "
+            f"{self.devices} x {self.hardware.name}, {_memory(self)} each (a plan "
             f"fits if its peak x {HEADROOM} does); {self.batch} sequences of {self.seq} tokens; "
             f"{len(self.options)} options priced; tied: within {TIE} x the fastest's step"
         )
@@ -262,6 +262,17 @@ class Plan:
     def summary(self) -> Markdown:
         """The plan as a Markdown table."""
         return Markdown(self._repr_markdown_())
+
+
+def _memory(found: Plan) -> str:
+    """The memory a plan fits into, in words, naming the runtime's share where it is not all."""
+    hw, gb = found.hardware, found.memory / 1e9
+    if hw.usable < 1 and found.memory == hw.memory * hw.usable:
+        return (
+            f"{gb:.0f} GB of arrays: JAX's default {hw.usable:.0%} of {hw.memory / 1e9:.0f} GB, "
+            "more with XLA_PYTHON_CLIENT_MEM_FRACTION"
+        )
+    return f"{gb:.0f} GB"
 
 
 def _columns(option: Option) -> list[object]:
@@ -329,11 +340,13 @@ def plan(
 ) -> Plan:
     """Every option for training `cfg` on `devices` devices of `hw` with batches of
     `global_batch` sequences of `seq` tokens (default `cfg.max_len`), priced and ranked;
-    `memory_per_device` defaults to the device's, `strategies` to `planned(cfg)`."""
+    `memory_per_device` defaults to the share of the device's memory its runtime gives
+    arrays (`Hardware.usable`: 75% of a GPU's, as JAX preallocates), `strategies` to
+    `planned(cfg)`."""
     hw = hardware(hw)
     strategies = planned(cfg) if strategies is None else tuple(strategies)
     seq = cfg.max_len if seq is None else seq
-    memory = hw.memory if memory_per_device is None else memory_per_device
+    memory = hw.memory * hw.usable if memory_per_device is None else memory_per_device
     _check(cfg, devices, global_batch, seq, memory)
     extra = {} if efficiency is None else {"efficiency": efficiency}
     options = []
