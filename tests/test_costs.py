@@ -623,3 +623,16 @@ def test_the_ledger_holds_the_four_parts_of_the_state_and_the_step() -> None:
     assert parts["optimizer state"] == costs.OPTIMIZER_COPIES * parts["gradients"]
     # what the backward pass keeps and remat rebuilds: part of the working memory, not all
     assert 0 < parts["activations"] < step.memory["working memory"]
+
+
+def test_the_full_remat_ledger_term_by_term_keeps_korthikantis_2sbhl() -> None:
+    """With full recompute each layer keeps only its 16-bit input, 2 s b h L bytes
+    (Korthikanti et al. 2022, section 5); the terms add up to the ledger's activations."""
+    setup = costs.Setup.of(STRATEGIES["DP"], {"data": 1}, 1, "full")
+    for sequences, seq in ((1, 4096), (2, 1024)):
+        terms = costs.ledger_terms(costs.SEVEN_B, setup, sequences, seq)
+        sbhl = 2 * seq * sequences * costs.SEVEN_B.embed * costs.SEVEN_B.layers
+        assert terms["the layers' kept values"] == sbhl
+        assert terms["logits"] == 4 * sequences * seq * costs.SEVEN_B.vocab
+        whole = costs.ledger(costs.SEVEN_B, setup, sequences, seq)["activations"]
+        assert sum(terms.values()) == pytest.approx(whole, rel=1e-12)

@@ -175,3 +175,10 @@ def test_the_tie_covers_the_models_spread_over_model_sizes() -> None:
     ratios = [by_name[f"MaxText {k}B, 1 x v5e-256"].ratio for k in (16, 32, 64)]
     spread = max(ratios) / min(ratios)
     assert 1.05 < spread <= planner.TIE
+
+
+def test_a_device_count_no_plan_fits_is_refused_naming_counts_that_work() -> None:
+    odd = planner.plan(costs.SEVEN_B, 7, "H100", global_batch=7, seq=4096)
+    with pytest.raises(ValueError, match=r"Device counts near 7 that have a plan .*: 8\."):
+        _ = odd.best
+    assert odd.nearest() == [8]

@@ -192,12 +192,37 @@ class Plan:
         """The fastest option that fits; an error naming every rule set's reason if none does."""
         if not self.ranked:
             reasons = "; ".join(f"{name}: {why}" for name, why in self.rejected.items())
+            nearest = ", ".join(map(str, self.nearest())) or "none within reach"
             raise ValueError(
                 f"no plan fits {self.devices} x {self.hardware.name} ({_memory(self)} "
-                f"each) for {self.batch} sequences of {self.seq} tokens: {reasons}. Use more "
-                "devices, devices with more memory, a smaller batch or shorter sequences."
+                f"each) for {self.batch} sequences of {self.seq} tokens: {reasons}. Device "
+                f"counts near {self.devices} that have a plan for this batch: {nearest}. Or "
+                "use devices with more memory, a smaller batch or shorter sequences."
             )
         return self.ranked[0]
+
+    def nearest(self, wanted: int = 3) -> list[int]:
+        """Up to `wanted` device counts near this plan's, the closest first (within 8
+        either side, then twice and four times as many), for which a plan of the same
+        model, batch and memory fits: what to ask for when none does here."""
+        near = sorted(
+            range(max(1, self.devices - 8), self.devices + 9), key=lambda k: abs(k - self.devices)
+        )
+        found = []
+        for count in [*near[1:], 2 * self.devices, 4 * self.devices]:
+            other = plan(
+                self.cfg,
+                count,
+                self.hardware,
+                global_batch=self.batch,
+                seq=self.seq,
+                memory_per_device=self.memory,
+            )
+            if other.ranked:
+                found.append(count)
+                if len(found) == wanted:
+                    break
+        return sorted(found)
 
     @property
     def tied(self) -> list[Option]:

@@ -12,6 +12,7 @@ from nnxscale.costs.activations import mixture
 from nnxscale.costs.arrays import Transfer
 from nnxscale.costs.counts import DTYPE_BYTES, STATE_BYTES, Setup, sizes_of
 from nnxscale.costs.derive import Costs, derive
+from nnxscale.costs.formula import Formula
 from nnxscale.costs.hardware import Hardware, hardware
 from nnxscale.model.transformer import Config
 
@@ -287,6 +288,28 @@ def ledger(cfg: Config, setup: Setup, batch: int, seq: int | None = None) -> dic
         "optimizer state": costs.state["optimizer state"](sizes),
         "activations": costs.activations(sizes) + costs.rebuilt(sizes),
     }
+
+
+def ledger_terms(cfg: Config, setup: Setup, batch: int, seq: int | None = None) -> dict[str, float]:
+    """The ledger's activations term by term, as the field reports activation memory: what
+    the layers keep (with full remat each layer's input, Korthikanti et al.'s 2 s b h L in
+    16 bits), what is kept outside them (the embedding's output, the last norm), the logits
+    (float32, for the loss), and one layer rebuilt while its backward pass runs. Together
+    they are `ledger(...)["activations"]`."""
+    seq = seq or cfg.max_len
+    costs = derive(setup.rules, cfg.compute_dtype, setup.remat, mixture(cfg))
+    sizes = sizes_of(cfg, setup, batch, seq)
+    parts = {"the layers' kept values": 0.0, "outside the layers": 0.0, "logits": 0.0}
+    for powers, coefficient in costs.activations.terms.items():
+        names = dict(powers)
+        part = "outside the layers"
+        if "vocab" in names:
+            part = "logits"
+        elif "layers" in names:
+            part = "the layers' kept values"
+        parts[part] += Formula({powers: coefficient})(sizes)
+    parts["one layer rebuilt"] = costs.rebuilt(sizes)
+    return parts
 
 
 def ring_hop_tokens(
