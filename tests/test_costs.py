@@ -636,3 +636,25 @@ def test_the_full_remat_ledger_term_by_term_keeps_korthikantis_2sbhl() -> None:
         assert terms["logits"] == 4 * sequences * seq * costs.SEVEN_B.vocab
         whole = costs.ledger(costs.SEVEN_B, setup, sequences, seq)["activations"]
         assert sum(terms.values()) == pytest.approx(whole, rel=1e-12)
+
+
+@pytest.mark.parametrize("name", list(costs.PRECISIONS))
+def test_the_state_holds_the_bytes_per_parameter_the_reader_chose(name: str) -> None:
+    precision = costs.PRECISIONS[name]
+    setup = costs.Setup.of(STRATEGIES["FSDP"], {"data": 8}, 1, "full", precision)
+    ledger = costs.ledger(costs.SEVEN_B, setup, 8, 4096)
+    per_parameter = {k: 8 * v / costs.counts(costs.SEVEN_B).total for k, v in ledger.items()}
+    assert per_parameter["parameters"] == pytest.approx(precision.parameters)
+    assert per_parameter["optimizer state"] == pytest.approx(precision.optimizer)
+    assert per_parameter["gradients"] == pytest.approx(precision.gradients)
+    book = costs.step_cost(
+        costs.SEVEN_B, setup.__class__.of(setup.rules, setup.sizes, 1, "full"), H100, 8, 4096
+    )
+    assert costs.step_cost(costs.SEVEN_B, setup, H100, 8, 4096).state <= book.state
+
+
+def test_a_precision_of_nonsense_bytes_is_refused() -> None:
+    with pytest.raises(ValueError, match="bytes per parameter must be finite"):
+        costs.Precision(moments=-8)
+    with pytest.raises(ValueError, match="gradients' positive"):
+        costs.Precision(gradients=0)

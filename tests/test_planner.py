@@ -182,3 +182,10 @@ def test_a_device_count_no_plan_fits_is_refused_naming_counts_that_work() -> Non
     with pytest.raises(ValueError, match=r"Device counts near 7 that have a plan .*: 8\."):
         _ = odd.best
     assert odd.nearest() == [8]
+
+
+def test_a_leaner_optimizer_state_lets_more_plans_fit(seven: planner.Plan) -> None:
+    eight_bit = costs.PRECISIONS["bfloat16 + float32 master, 8-bit Adam"]
+    lean = planner.plan(costs.SEVEN_B, 8, "H100", global_batch=64, seq=4096, precision=eight_bit)
+    assert not seven["ZeRO-2"].fits and lean["ZeRO-2"].fits
+    assert lean.best.setup.precision == eight_bit

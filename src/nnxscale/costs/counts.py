@@ -23,6 +23,48 @@ OPTIMIZER_COPIES = 3
 """Optimizer state per parameter, in parameter-sized copies: AdamW's two moments and the EMA."""
 
 
+@dataclasses.dataclass(frozen=True)
+class Precision:
+    """Bytes per parameter of what a training state holds: the parameters, a float32 master
+    copy (mixed precision), the optimizer's moments, an exponential moving average of the
+    weights, and the gradients. The default is the book's Trainer: float32 parameters and
+    gradients, AdamW's two float32 moments and an EMA, 16 bytes of state per parameter."""
+
+    parameters: float = STATE_BYTES
+    master: float = 0
+    moments: float = 2 * STATE_BYTES
+    ema: float = STATE_BYTES
+    gradients: float = STATE_BYTES
+
+    def __post_init__(self) -> None:
+        """Refuse a negative or infinite byte count, or parameters or gradients of none."""
+        values = dataclasses.asdict(self)
+        bad = {k: v for k, v in values.items() if not 0 <= v < math.inf}
+        if bad or not self.parameters or not self.gradients:
+            raise ValueError(
+                f"a Precision's bytes per parameter must be finite and not negative, the "
+                f"parameters' and gradients' positive, got {values}"
+            )
+
+    @property
+    def optimizer(self) -> float:
+        """Bytes per parameter beside the parameters: master copy, moments and EMA."""
+        return self.master + self.moments + self.ema
+
+
+PRECISIONS = {
+    "the book: float32, AdamW, EMA": Precision(),
+    "bfloat16 + float32 master, AdamW": Precision(2, 4, 8, 0, 4),
+    "bfloat16, AdamW in bfloat16": Precision(2, 0, 4, 0, 2),
+    "bfloat16 + float32 master, 8-bit Adam": Precision(2, 4, 2, 0, 4),
+    "float32, Adafactor (factored, no momentum)": Precision(4, 0, 0, 0, 4),
+}
+"""Common choices, by name: the book's, Megatron-style mixed precision (18 bytes with the
+float32 gradients it accumulates in, Korthikanti et al.'s and ZeRO's 16 with bfloat16 ones),
+moments in bfloat16, 8-bit Adam's one byte per moment, and Adafactor, whose factored second
+moment holds a row and a column per matrix (next to nothing per parameter)."""
+
+
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 """Bytes per value of each compute dtype a `Config` may name."""
 
@@ -140,13 +182,15 @@ def model_sizes(cfg: Config, seq: int) -> dict[str, float]:
 @dataclasses.dataclass(frozen=True)
 class Setup:
     """One way to run a training step: a rule set, the size of each of its mesh axes, the
-    micro-batches a step's batch is cut into (gradient accumulation, or a pipeline's), and
-    the remat policy (`nnxscale.model.REMAT_POLICIES`)."""
+    micro-batches a step's batch is cut into (gradient accumulation, or a pipeline's), the
+    remat policy (`nnxscale.model.REMAT_POLICIES`), and the bytes per parameter its state
+    holds (`Precision`)."""
 
     rules: Rules
     mesh: tuple[tuple[str, int], ...]
     micro_batches: int = 1
     remat: bool | str = False
+    precision: Precision = Precision()
 
     @classmethod
     def of(
@@ -155,6 +199,7 @@ class Setup:
         mesh: Mapping[str, int],
         micro_batches: int = 1,
         remat: bool | str = False,
+        precision: Precision | None = None,
     ) -> Setup:
         """A setup from a mesh given as {axis: size}, in the rule set's axis order."""
         unknown = sorted(set(mesh) - set(rules.axes))
@@ -168,7 +213,7 @@ class Setup:
             raise ValueError(f"micro_batches must be a positive integer, got {micro_batches}")
         remat_policy(remat)
         shape = tuple((a, int(mesh.get(a, 1))) for a in rules.axes)
-        return cls(rules, shape, int(micro_batches), remat)
+        return cls(rules, shape, int(micro_batches), remat, precision or Precision())
 
     @property
     def sizes(self) -> dict[str, int]:

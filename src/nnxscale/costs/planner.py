@@ -16,7 +16,7 @@ import math
 from collections.abc import Iterable, Iterator
 
 from nnxscale.core.show import Markdown, table
-from nnxscale.costs.counts import Setup, mixture_problem
+from nnxscale.costs.counts import Precision, Setup, mixture_problem
 from nnxscale.costs.derive import derive, unpriced, unsuitable
 from nnxscale.costs.hardware import Hardware, hardware
 from nnxscale.costs.steps import StepCost, step_cost
@@ -340,7 +340,13 @@ def _why(leanest: Option, memory: float) -> str:
 
 
 def candidates(
-    cfg: Config, rules: Rules, devices: int, hw: Hardware, batch: int, seq: int
+    cfg: Config,
+    rules: Rules,
+    devices: int,
+    hw: Hardware,
+    batch: int,
+    seq: int,
+    precision: Precision | None = None,
 ) -> Iterator[tuple[Setup, str]]:
     """Every setup of `rules` the planner tries, and why it cannot run if it cannot."""
     stage = derive(rules, cfg.compute_dtype).stage_axis
@@ -348,7 +354,7 @@ def candidates(
     for mesh in meshes(rules, devices, hw.domain):
         for m in micro_batches(rules, mesh, batch, stage):
             for remat in remats:
-                setup = Setup.of(rules, mesh, m, remat)
+                setup = Setup.of(rules, mesh, m, remat, precision)
                 yield setup, unsuitable(cfg, setup, batch, seq)
 
 
@@ -362,12 +368,13 @@ def plan(
     memory_per_device: float | None = None,
     strategies: Iterable[str] | None = None,
     efficiency: float | None = None,
+    precision: Precision | None = None,
 ) -> Plan:
     """Every option for training `cfg` on `devices` devices of `hw` with batches of
     `global_batch` sequences of `seq` tokens (default `cfg.max_len`), priced and ranked;
     `memory_per_device` defaults to the share of the device's memory its runtime gives
     arrays (`Hardware.usable`: 75% of a GPU's, as JAX preallocates), `strategies` to
-    `planned(cfg)`."""
+    `planned(cfg)`, `precision` (the bytes per parameter of the state) to the book's."""
     hw = hardware(hw)
     strategies = planned(cfg) if strategies is None else tuple(strategies)
     seq = cfg.max_len if seq is None else seq
@@ -382,7 +389,8 @@ def plan(
                 f"no rule set named {name!r}; use names of nnxscale.STRATEGIES: "
                 f"{', '.join(STRATEGIES)}"
             )
-        for setup, reason in candidates(cfg, STRATEGIES[name], devices, hw, global_batch, seq):
+        found_setups = candidates(cfg, STRATEGIES[name], devices, hw, global_batch, seq, precision)
+        for setup, reason in found_setups:
             found = True
             if reason:
                 options.append(Option(setup, None, reason))

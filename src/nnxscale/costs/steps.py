@@ -10,7 +10,7 @@ from collections.abc import Iterable, Mapping
 from nnxscale.analysis.comm import ring_bytes
 from nnxscale.costs.activations import mixture
 from nnxscale.costs.arrays import Transfer
-from nnxscale.costs.counts import DTYPE_BYTES, STATE_BYTES, Setup, sizes_of
+from nnxscale.costs.counts import DTYPE_BYTES, STATE_BYTES, Precision, Setup, sizes_of
 from nnxscale.costs.derive import Costs, derive
 from nnxscale.costs.formula import Formula
 from nnxscale.costs.hardware import Hardware, hardware
@@ -87,25 +87,43 @@ class StepCost:
         return "communication" if busiest > self.compute_time else "compute"
 
 
-def memory_phases(costs: Costs, sizes: Mapping[str, float], micro: int) -> dict[str, float]:
+def memory_phases(
+    costs: Costs, sizes: Mapping[str, float], micro: int, gradients: float = 1.0
+) -> dict[str, float]:
     """Working memory (beyond the state) at the moments that can be a step's peak: the start
     of the backward pass (every layer's activations and weight copies, the logits' gradient
     and the head's gradients), a layer's backward pass (its gradients made, and with remat
     its activations rebuilt), and the optimizer's update (every gradient, and the update
     beside it). With micro-batches, the running sum of gradients is held throughout. On a
-    pipeline, a backward task: the buffers, a stage rebuilt, the stage's gradients."""
+    pipeline, a backward task: the buffers, a stage rebuilt, the stage's gradients. Every
+    gradient is scaled by `gradients`, its bytes over float32's (`Precision.gradients`)."""
     if costs.stage_axis is not None:
-        parts = (costs.activations, costs.rebuilt, costs.gradients, costs.weights, costs.head)
-        return {"a backward task": sum(f(sizes) for f in parts)}
-    accumulate = costs.accumulator(sizes) if micro > 1 else 0.0
-    kept = costs.activations(sizes) + costs.weights(sizes) + costs.head_gradients(sizes)
+        parts = (costs.activations, costs.rebuilt, costs.weights, costs.head)
+        return {
+            "a backward task": sum(f(sizes) for f in parts) + gradients * costs.gradients(sizes)
+        }
+    accumulate = gradients * costs.accumulator(sizes) if micro > 1 else 0.0
+    kept = costs.activations(sizes) + costs.weights(sizes) + gradients * costs.head_gradients(sizes)
     return {
         "backward starts": kept + costs.head(sizes) + accumulate,
         "a layer's backward": kept
         + costs.rebuilt(sizes)
-        + costs.layer_gradients(sizes)
+        + gradients * costs.layer_gradients(sizes)
         + accumulate,
-        "update": 2 * costs.gradients(sizes) + accumulate,
+        "update": 2 * gradients * costs.gradients(sizes) + accumulate,
+    }
+
+
+def state_bytes(costs: Costs, sizes: Mapping[str, float], precision: Precision) -> dict[str, float]:
+    """Bytes per device of the parameters and the optimizer state (master copy, moments,
+    EMA) under `precision`: the derived state is the book's (float32 parameters, three
+    float32 copies beside them), scaled to the bytes per parameter chosen."""
+    book = Precision()
+    return {
+        "parameters": costs.state["parameters"](sizes) * precision.parameters / book.parameters,
+        "optimizer state": costs.state["optimizer state"](sizes)
+        * precision.optimizer
+        / book.optimizer,
     }
 
 
@@ -244,8 +262,9 @@ def step_cost(
     costs = derive(setup.rules, cfg.compute_dtype, setup.remat, mixture(cfg))
     sizes = sizes_of(cfg, setup, batch, seq)
     mesh = setup.sizes
-    phases = memory_phases(costs, sizes, setup.micro_batches)
-    memory = {name: f(sizes) for name, f in costs.state.items()}
+    precision = setup.precision
+    phases = memory_phases(costs, sizes, setup.micro_batches, precision.gradients / STATE_BYTES)
+    memory = state_bytes(costs, sizes, precision)
     memory["working memory"] = max(phases.values())
     flops = costs.flops(sizes)
     traffic = (
@@ -282,10 +301,11 @@ def ledger(cfg: Config, setup: Setup, batch: int, seq: int | None = None) -> dic
     seq = seq or cfg.max_len
     costs = derive(setup.rules, cfg.compute_dtype, setup.remat, mixture(cfg))
     sizes = sizes_of(cfg, setup, batch, seq)
+    state = state_bytes(costs, sizes, setup.precision)
     return {
-        "parameters": costs.state["parameters"](sizes),
-        "gradients": costs.gradients(sizes),
-        "optimizer state": costs.state["optimizer state"](sizes),
+        "parameters": state["parameters"],
+        "gradients": costs.gradients(sizes) * setup.precision.gradients / STATE_BYTES,
+        "optimizer state": state["optimizer state"],
         "activations": costs.activations(sizes) + costs.rebuilt(sizes),
     }
 
