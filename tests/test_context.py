@@ -267,7 +267,9 @@ def cp_trainer(rules, devices=None, cfg=None):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("rules", [nx.CP, nx.FSDP_CP], ids=["CP", "FSDP+CP"])
+@pytest.mark.parametrize(
+    "rules", [nx.CP, nx.FSDP_CP, nx.rules.FSDP_CP_TP], ids=["CP", "FSDP+CP", "FSDP+CP+TP"]
+)
 def test_the_transformer_trains_with_context_parallelism_as_on_one_device(rules) -> None:
     batches = nx.book_batches(8)
     reference = cp_trainer(nx.DP, 1).train(batches, 4)

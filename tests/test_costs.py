@@ -84,7 +84,20 @@ def test_the_worked_models_have_their_sizes() -> None:
 
 
 @pytest.mark.parametrize(
-    "name", ["DP", "ZeRO-1", "ZeRO-2", "FSDP", "TP", "FSDP+TP", "HSDP", "CP", "FSDP+CP"]
+    "name",
+    [
+        "DP",
+        "ZeRO-1",
+        "ZeRO-2",
+        "FSDP",
+        "TP",
+        "FSDP+TP",
+        "HSDP",
+        "HSDP+TP",
+        "CP",
+        "FSDP+CP",
+        "FSDP+CP+TP",
+    ],
 )
 def test_the_derived_state_equals_the_placed_state(name: str) -> None:
     run = trainer(name, 8)

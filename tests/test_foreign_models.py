@@ -303,6 +303,7 @@ def test_every_strategy_of_the_table_builds_its_mesh() -> None:
         "TP+SP",
         "CP",
         "FSDP+CP",
+        "FSDP+CP+TP",
         "EP",
         "FSDP+EP",
     }
@@ -314,6 +315,7 @@ def test_every_strategy_of_the_table_builds_its_mesh() -> None:
     assert shapes["CP"] == {"data": 1, "context": 8} and shapes["TP+SP"] == shapes["TP"]
     assert shapes["FSDP+CP"] == {"data": 4, "context": 2}
     assert shapes["HSDP+TP"] == {"replica": 2, "data": 2, "model": 2}
+    assert shapes["FSDP+CP+TP"] == {"data": 2, "context": 2, "model": 2}
     assert shapes["EP"] == {"data": 1, "expert": 8}
     assert shapes["FSDP+EP"] == {"data": 2, "expert": 4}
     assert dict(nx.strategy_mesh(nx.auto_fsdp("x")).shape) == {"x": 8}

@@ -340,6 +340,16 @@ FSDP_CP = Rules(
 )
 """FSDP over `data` (parameters and batch) and context parallelism over `context`."""
 
+FSDP_CP_TP = Rules(
+    "FSDP+CP+TP",
+    {**FSDP_TP.logical, **_SEQUENCE},
+    axes=("data", CONTEXT, "model"),
+    sizes=(-1, 2, 2),
+)
+"""FSDP over `data`, every sequence split over `context` (ring attention) and tensor
+parallelism over `model` inside a host: the layout of long-context training (Llama 3 at
+131k tokens ran CP 16 x TP 8 inside pipeline stages). With `data` of one device it is CP x TP."""
+
 EXPERT = "expert"
 """The mesh axis expert parallelism splits a mixture's experts over."""
 
@@ -384,6 +394,7 @@ STRATEGIES = {
         SP,
         CP,
         FSDP_CP,
+        FSDP_CP_TP,
         EP,
         FSDP_EP,
     )
