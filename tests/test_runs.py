@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from nnxscale import costs
@@ -55,3 +57,15 @@ def test_maxtexts_scaled_models_have_the_sizes_their_names_say() -> None:
     for scale in (16, 32, 64, 128, 256, 512, 1024):
         total = costs.counts(runs.maxtext(scale)).total
         assert 0.9 * scale * 1e9 <= total <= 1.05 * scale * 1e9, (scale, total)
+
+
+def test_a_multislice_run_talks_across_slices_over_the_data_centre_network() -> None:
+    """Two v5p slices of 64 chips fit in one v5p fast domain, but are two slices: the
+    replicas' all-reduce crosses DCN, the gathers inside a slice stay on ICI."""
+    run = {r.name: r for r in runs.runs()}["MaxText 32B, 2 x v5p-128"]
+    hw = dataclasses.replace(costs.HARDWARE[run.hardware], domain=run.slice)
+    cost = costs.step_cost(run.cfg, run.setup(), hw, run.batch, run.seq)
+    links = {c.transfer.axes: c.link for c in cost.collectives}
+    assert links[("replica",)] == "slow" and links[("data",)] == "fast"
+    assert run.slice == 64
+    assert costs.counts(runs.MEGATRON_1T).total == pytest.approx(1.0e12, rel=0.02)
