@@ -6,6 +6,7 @@ import pytest
 
 from nnxscale import costs, planner
 from nnxscale.model import TINY
+from nnxscale.model.configs import LLAMA3_405B
 from nnxscale.placement.rules import STRATEGIES
 
 
@@ -189,3 +190,42 @@ def test_a_leaner_optimizer_state_lets_more_plans_fit(seven: planner.Plan) -> No
     lean = planner.plan(costs.SEVEN_B, 8, "H100", global_batch=64, seq=4096, precision=eight_bit)
     assert not seven["ZeRO-2"].fits and lean["ZeRO-2"].fits
     assert lean.best.setup.precision == eight_bit
+
+
+def test_llama_3_405b_on_16384_h100s_is_planned_as_it_was_trained() -> None:
+    """The best plan for Llama 3 405B at 8k tokens on 16,384 H100s is TP x PP x DP with TP
+    within a host, on a 1F1B schedule, and predicts the published 400 TFLOP/s per GPU
+    within 1.3 times."""
+    found = planner.plan(LLAMA3_405B, 16_384, "H100", global_batch=2048, seq=8192)
+    best = found.best
+    sizes = best.setup.sizes
+    assert best.strategy == "PP+FSDP+TP" and best.setup.schedule == "1F1B"
+    assert sizes["stage"] > 1 and sizes["fsdp"] > 1 and 1 < sizes["model"] <= 8
+    flops = costs.step_flops(LLAMA3_405B, 2048, 8192) / 16_384
+    tflops = flops / best.cost.step_time / 1e12
+    assert 400 / 1.3 <= tflops <= 400 * 1.3
+
+
+def test_a_pipeline_is_priced_by_its_schedule() -> None:
+    """1F1B idles (p - 1) / (v m + p - 1) of its step, the lockstep executor more; interleaving
+    keeps more micro-batches in flight; a stage count the layers do not divide is padded."""
+    rules = STRATEGIES["PP+FSDP+TP"]
+    steps = {}
+    for schedule, virtual in (("lockstep", 1), ("1F1B", 1), ("1F1B", 2)):
+        mesh = {"stage": 4, "fsdp": 2, "model": 2}
+        setup = costs.Setup.of(rules, mesh, 8, "full", schedule=schedule, virtual=virtual)
+        steps[schedule, virtual] = costs.step_cost(costs.SEVEN_B, setup, "H100", 16, 4096)
+    assert steps["1F1B", 1].bubble == pytest.approx(3 / 11)
+    assert steps["1F1B", 2].bubble == pytest.approx(3 / 19)
+    assert steps["lockstep", 1].bubble > steps["1F1B", 1].bubble
+    kept = {
+        v: costs.ledger(costs.SEVEN_B, steps["1F1B", v].setup, 16, 4096)["activations"]
+        for v in (1, 2)
+    }
+    assert kept[2] > kept[1]
+    padded = costs.Setup.of(rules, {"stage": 5, "fsdp": 2, "model": 2}, 8, "full", schedule="1F1B")
+    assert costs.sizes_of(costs.SEVEN_B, padded, 16, 4096)["layers"] == 35
+    with pytest.raises(ValueError, match="only for the 1F1B schedule"):
+        costs.Setup.of(rules, {"stage": 4}, 8, virtual=2)
+    with pytest.raises(ValueError, match="schedule='ZB'"):
+        costs.Setup.of(rules, {"stage": 4}, 8, schedule="ZB")

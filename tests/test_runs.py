@@ -21,8 +21,8 @@ def test_the_model_reproduces_at_least_40_published_runs_within_the_stated_facto
 
 def test_a_run_the_model_cannot_express_says_why_and_stays_in_the_table() -> None:
     table = {row[0]: row for row in runs.rows()}
-    llama = table["Llama 3.1 405B, 16,384 H100s, 8k"]
-    assert llama[5] == llama[6] == "" and "lockstep executor" in llama[8]
+    llama = table["Llama 3.1 405B, 16,384 H100s, 131k"]
+    assert llama[5] == llama[6] == "" and "context ring with pipeline stages" in llama[8]
     palm = table["PaLM 540B, 6,144 TPU v4"]
     assert "key/value head" in palm[8] and palm[6] == ""
     assert len(table) == len(runs.runs())
@@ -43,7 +43,14 @@ def test_a_run_the_model_is_known_to_miss_is_shown_and_truly_missed() -> None:
 
 def test_each_calibrating_run_gives_the_efficiency_the_library_states() -> None:
     calibrating = [r for r in runs.runs() if r.calibrates and not r.problem()]
-    assert {r.hardware for r in calibrating} == {"TPU v5e", "TPU v5p", "TPU v6e", "H200"}
+    assert {r.hardware for r in calibrating} == {
+        "TPU v5e",
+        "TPU v5p",
+        "TPU v6e",
+        "H200",
+        "H100",
+        "A100",
+    }
     for run in calibrating:
         efficiency = runs.calibrate(run)
         assert costs.HARDWARE[run.hardware].efficiency == pytest.approx(efficiency, abs=0.005)
@@ -69,3 +76,14 @@ def test_a_multislice_run_talks_across_slices_over_the_data_centre_network() -> 
     assert links[("replica",)] == "slow" and links[("data",)] == "fast"
     assert run.slice == 64
     assert costs.counts(runs.MEGATRON_1T).total == pytest.approx(1.0e12, rel=0.02)
+
+
+def test_tp_inside_pipeline_stages_reproduces_llama_3_and_megatron() -> None:
+    """TP x PP x DP on a 1F1B schedule: Llama 3 405B on 16,384 H100s (its efficiency
+    calibrated on 8,192) and Megatron-LM's 1T model are priced, the first within `WORST`."""
+    table = {r.name: r for r in runs.runs()}
+    llama = table["Llama 3.1 405B, 16,384 H100s, 8k"]
+    assert not llama.problem() and llama.setup().rules.name == "PP+FSDP+TP"
+    assert 1 / runs.WORST <= llama.ratio <= runs.WORST
+    megatron = table["Megatron-LM 1T, 3,072 A100s"]
+    assert megatron.calibrates and abs(megatron.ratio - 1) < 0.01

@@ -46,10 +46,10 @@
   }
 
   // nnxscale.costs.unsuitable (after the mixture's checks)
-  function unsuitable(c, sizes, mesh, batch, seq, micro) {
+  function unsuitable(c, sizes, mesh, batch, seq, micro, layers) {
     for (const [size, axes] of c.splits) {
       const n = product(axes.map((a) => mesh[a]));
-      if (sizes[size] % n) return `the ${axes.join("x")} axis (${n}) does not divide ${size} (${sizes[size]})`;
+      if (sizes[size] % n && size !== "layers") return `the ${axes.join("x")} axis (${n}) does not divide ${size} (${sizes[size]})`;
     }
     const split = product(c.batch_axes.map((a) => mesh[a]));
     if (batch % (split * micro)) return `the batch of ${batch} sequences does not split into ${micro} micro-batches x ${split} devices`;
@@ -58,6 +58,7 @@
     if (seq % (2 * ring)) return `${seq} tokens do not cut into 2 x ${ring} chunks for the zig-zag ring`;
     const stages = c.stage_axis ? mesh[c.stage_axis] : 1;
     if (micro < stages) return `${stages} stages need at least ${stages} micro-batches (1F1B)`;
+    if (layers < stages) return `${layers} layers do not fill ${stages} stages x 1 virtual stages`;
     return "";
   }
 
@@ -136,8 +137,11 @@
     const problem = mixtureProblem(cfg) || (kind in s.mlp ? "" : s.unpriced);
     if (problem) return { reason: problem, mesh };
     const c = s.mlp[kind][remat in s.mlp[kind] ? remat : Object.keys(s.mlp[kind])[0]];
-    const sizes = Object.assign(modelSizes(spec, cfg, seq), { batch, seq, micro }, mesh);
-    const reason = unsuitable(c, sizes, mesh, batch, seq, micro);
+    const sizes = Object.assign(modelSizes(spec, cfg, seq), { batch, seq, micro, virtual: 1, interleaved: 0 }, mesh);
+    // nnxscale.costs.counts._padded: the busiest stage's layers, times the stages
+    const stages = c.stage_axis ? mesh[c.stage_axis] : 1;
+    sizes.layers = Math.ceil(cfg.layers / stages) * stages;
+    const reason = unsuitable(c, sizes, mesh, batch, seq, micro, cfg.layers);
     if (reason) return { reason, mesh };
     const memory = {};
     for (const [name, f] of Object.entries(c.state)) memory[name] = evaluate(f, sizes);

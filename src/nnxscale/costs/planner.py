@@ -48,6 +48,7 @@ PLANNED = (
     "FSDP+TP",
     "PP",
     "PP+FSDP",
+    "PP+FSDP+TP",
     "CP",
     "FSDP+CP",
 )
@@ -70,6 +71,10 @@ def planned(cfg: Config) -> tuple[str, ...]:
 
 REMATS: tuple[bool | str, ...] = (False, "dots", "full")
 """Remat policies, from the fastest to the leanest."""
+
+
+VIRTUAL = (1, 2, 4)
+"""Virtual stages per device the planner tries on a 1F1B pipeline."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -348,13 +353,19 @@ def candidates(
     seq: int,
     precision: Precision | None = None,
 ) -> Iterator[tuple[Setup, str]]:
-    """Every setup of `rules` the planner tries, and why it cannot run if it cannot."""
+    """Every setup of `rules` the planner tries, and why it cannot run if it cannot: a
+    pipeline on the book's lockstep executor (which rebuilds each stage itself), and on
+    1F1B with each remat policy and `VIRTUAL` stages."""
     stage = derive(rules, cfg.compute_dtype).stage_axis
-    remats = (False,) if stage is not None else REMATS
+    runs: tuple[tuple[str, int, bool | str], ...] = tuple(
+        ("lockstep", 1, remat) for remat in REMATS
+    )
+    if stage is not None:
+        runs = (("lockstep", 1, False), *(("1F1B", v, r) for v in VIRTUAL for r in REMATS))
     for mesh in meshes(rules, devices, hw.domain):
         for m in micro_batches(rules, mesh, batch, stage):
-            for remat in remats:
-                setup = Setup.of(rules, mesh, m, remat, precision)
+            for schedule, virtual, remat in runs:
+                setup = Setup.of(rules, mesh, m, remat, precision, schedule, virtual)
                 yield setup, unsuitable(cfg, setup, batch, seq)
 
 

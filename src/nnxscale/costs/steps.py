@@ -15,6 +15,7 @@ from nnxscale.costs.derive import Costs, derive
 from nnxscale.costs.formula import Formula
 from nnxscale.costs.hardware import Hardware, hardware
 from nnxscale.model.transformer import Config
+from nnxscale.parallelism.schedules import bubble_formula
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,7 +98,7 @@ def memory_phases(
     beside it). With micro-batches, the running sum of gradients is held throughout. On a
     pipeline, a backward task: the buffers, a stage rebuilt, the stage's gradients. Every
     gradient is scaled by `gradients`, its bytes over float32's (`Precision.gradients`)."""
-    if costs.stage_axis is not None:
+    if costs.stage_axis is not None and costs.schedule == "lockstep":
         parts = (costs.activations, costs.rebuilt, costs.weights, costs.head)
         return {
             "a backward task": sum(f(sizes) for f in parts) + gradients * costs.gradients(sizes)
@@ -247,19 +248,19 @@ def step_cost(
     the optimizer move through memory at the device's bandwidth. Each collective costs a
     latency per ring step and its bytes over the link its axes cross (`link`); what compute
     can hide it behind depends on the step's dependencies (`OVERLAPS`), and collectives on
-    one link add up before they hide (`hide`). A pipeline runs the
-    executor's lockstep ticks: each as long as a backward task (a stage rebuilt and
-    differentiated, three forward passes' worth), two hand-overs per tick.
+    one link add up before they hide (`hide`). A pipeline's compute is stretched by its
+    schedule's bubble (`pipeline_bubble`).
     """
     hw = hardware(hw)
     efficiency = hw.efficiency if efficiency is None else efficiency
     if not 0 < efficiency <= 1:
         raise ValueError(
             f"efficiency={efficiency!r}: the fraction of peak FLOP/s a step reaches lies in "
-            f"(0, 1]; leave it out for the MFU published for {hw.name} ({hw.efficiency:.0%})"
+            f"(0, 1]; leave it out for {hw.name}'s ({hw.efficiency:.0%}, "
+            f"{hw.efficiency_source})"
         )
     seq = seq or cfg.max_len
-    costs = derive(setup.rules, cfg.compute_dtype, setup.remat, mixture(cfg))
+    costs = derive(setup.rules, cfg.compute_dtype, setup.remat, mixture(cfg), setup.schedule)
     sizes = sizes_of(cfg, setup, batch, seq)
     mesh = setup.sizes
     precision = setup.precision
@@ -282,11 +283,23 @@ def step_cost(
     found = _collectives(costs, sizes, mesh, hw, window)
     bubble = 0.0
     if costs.stage_axis is not None:
-        p, m = mesh[costs.stage_axis], setup.micro_batches
-        lockstep = 2 * (m + p - 1) * 0.75 * compute / m
-        bubble, compute = 1 - compute / lockstep, lockstep
+        bubble = pipeline_bubble(
+            setup.schedule, mesh[costs.stage_axis], setup.micro_batches, setup.virtual
+        )
+        compute = compute / (1 - bubble)
     step = compute + sum(c.exposed for c in found)
     return StepCost(setup, memory, phases, flops, tuple(found), compute, bubble, step)
+
+
+def pipeline_bubble(schedule: str, stages: int, micro: int, virtual: int = 1) -> float:
+    """The share of a pipelined step its devices wait. The book's lockstep executor runs
+    2 (m + p - 1) ticks, each as long as a backward task (a stage rebuilt and differentiated,
+    three forward passes' worth, where m micro-batches' work is four): 1 - m / (1.5 (m + p - 1)).
+    1F1B with v virtual stages idles p - 1 of every v m + p - 1 chunks' time (Narayanan et
+    al. 2021: `nnxscale.schedules.bubble_formula`)."""
+    if schedule == "lockstep":
+        return 1 - micro / (1.5 * (micro + stages - 1))
+    return bubble_formula(stages, micro, virtual)
 
 
 LEDGER_PARTS = ("parameters", "gradients", "optimizer state", "activations")
@@ -299,7 +312,7 @@ def ledger(cfg: Config, setup: Setup, batch: int, seq: int | None = None) -> dic
     backward pass keeps, and those remat rebuilds). Each is held at its own moment of the
     step, so the step's peak (`step_cost(...).peak`) is not their sum."""
     seq = seq or cfg.max_len
-    costs = derive(setup.rules, cfg.compute_dtype, setup.remat, mixture(cfg))
+    costs = derive(setup.rules, cfg.compute_dtype, setup.remat, mixture(cfg), setup.schedule)
     sizes = sizes_of(cfg, setup, batch, seq)
     state = state_bytes(costs, sizes, setup.precision)
     return {
@@ -317,7 +330,7 @@ def ledger_terms(cfg: Config, setup: Setup, batch: int, seq: int | None = None) 
     (float32, for the loss), and one layer rebuilt while its backward pass runs. Together
     they are `ledger(...)["activations"]`."""
     seq = seq or cfg.max_len
-    costs = derive(setup.rules, cfg.compute_dtype, setup.remat, mixture(cfg))
+    costs = derive(setup.rules, cfg.compute_dtype, setup.remat, mixture(cfg), setup.schedule)
     sizes = sizes_of(cfg, setup, batch, seq)
     parts = {"the layers' kept values": 0.0, "outside the layers": 0.0, "logits": 0.0}
     for powers, coefficient in costs.activations.terms.items():

@@ -282,6 +282,37 @@ PP_FSDP = Rules(
 )
 """Pipeline stages over `stage`, and FSDP over `fsdp` inside each stage."""
 
+PP_FSDP_TP = Rules(
+    "PP+FSDP+TP",
+    {
+        **PP_FSDP.logical,
+        "residual_length": ("model",),
+        "heads": ("model",),
+        "kv_heads": ("model",),
+        "mlp": ("model", FSDP_AXIS),
+        "vocab": ("model", FSDP_AXIS),
+    },
+    axes=(STAGE, FSDP_AXIS, "model"),
+    sizes=(-1, 2, 2),
+)
+"""TP x PP x DP, as Llama 3 405B trained: stages over `stage`,
+FSDP over `fsdp` and TP with sequence parallelism over `model` inside each stage (with
+`fsdp` of one device, TP x PP)."""
+
+PP_TP = Rules(
+    "PP+TP",
+    {
+        **PP_FSDP_TP.logical,
+        "batch": ("data",),
+        "embed": (),
+        "mlp": ("model",),
+        "vocab": ("model",),
+    },
+    axes=(STAGE, "data", "model"),
+    sizes=(-1, 1, 2),
+)
+"""TP x PP x DP with the state replicated over `data`, as Megatron-LM's 2021 runs train."""
+
 ZERO1 = FSDP.replace(name="ZeRO-1", whole=("params", "grads"))
 """ZeRO stage 1: the optimizer state (AdamW's moments, the EMA) split as FSDP splits it;
 parameters and gradients whole on every device, as in DP."""
@@ -391,6 +422,8 @@ STRATEGIES = {
         HSDP_TP,
         PP,
         PP_FSDP,
+        PP_FSDP_TP,
+        PP_TP,
         SP,
         CP,
         FSDP_CP,
