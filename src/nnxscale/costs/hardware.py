@@ -52,6 +52,10 @@ class Hardware:
     wrap: int = 0
     usable: float = 1.0
 
+    def replace(self, **changes: object) -> Hardware:
+        """This hardware with some numbers changed (checked as a new description is)."""
+        return dataclasses.replace(self, **changes)
+
     def __post_init__(self) -> None:
         """Refuse a description the time model would turn into nonsense: every rate a
         positive finite number, memory and latencies finite and not negative (memory 0: not
