@@ -109,7 +109,8 @@ def test_the_derived_state_equals_the_placed_state(name: str) -> None:
 @pytest.mark.parametrize("devices", [256, 4096])
 @pytest.mark.parametrize(
     "name, inner", [("FSDP", {}), ("FSDP+TP", {"model": 8}), ("HSDP", {"replica": 16}),
-                    ("ZeRO-2", {}), ("PP+FSDP", {"stage": 16})],
+                    ("ZeRO-2", {}), ("PP+FSDP", {"stage": 16}),
+                    ("PP+FSDP+TP", {"stage": 16, "model": 8})],
 )  # fmt: skip
 def test_the_formulas_equal_the_layout_on_an_abstract_mesh(name: str, inner, devices: int) -> None:
     """At 4,096 devices the abstract layout costs no memory: resolved at the real sizes, it
@@ -674,3 +675,23 @@ def test_a_precision_of_nonsense_bytes_is_refused() -> None:
         costs.Precision(moments=-8)
     with pytest.raises(ValueError, match="gradients' positive"):
         costs.Precision(gradients=0)
+
+
+@pytest.mark.parametrize("name", ["DP", "FSDP"])
+def test_gradients_reduced_once_a_step_are_priced_as_unreduced_grads_runs(name: str) -> None:
+    """`Setup(reduce_once=True)`: one reduction of P bytes a step instead of one per
+    micro-batch, exposed (nothing follows it); FSDP holds the weights whole for the step,
+    DP already does."""
+    priced = {}
+    for once in (False, True):
+        setup = costs.Setup.of(STRATEGIES[name], {"data": 8}, 4, reduce_once=once)
+        sizes = costs.sizes_of(PLAIN, setup, 32, 32)
+        cost = costs.step_cost(PLAIN, setup, H100, 32, 32)
+        grads = [c for c in cost.collectives if c.transfer.what == "gradients"]
+        reduced = sum(c.array_bytes * c.transfer.passes(sizes) for c in grads)
+        priced[once] = (reduced, cost, grads)
+    p = costs.STATE_BYTES * costs.counts(PLAIN).total
+    assert priced[True][0] == p and priced[False][0] == 4 * p
+    assert all(c.exposed == c.seconds for c in priced[True][2])
+    grew = priced[True][1].peak > priced[False][1].peak
+    assert grew == (name == "FSDP")

@@ -300,6 +300,8 @@ def test_every_strategy_of_the_table_builds_its_mesh() -> None:
         "HSDP+TP",
         "PP",
         "PP+FSDP",
+        "PP+FSDP+TP",
+        "PP+TP",
         "TP+SP",
         "CP",
         "FSDP+CP",
@@ -317,6 +319,8 @@ def test_every_strategy_of_the_table_builds_its_mesh() -> None:
     assert shapes["HSDP+TP"] == {"replica": 2, "data": 2, "model": 2}
     assert shapes["FSDP+CP+TP"] == {"data": 2, "context": 2, "model": 2}
     assert shapes["EP"] == {"data": 1, "expert": 8}
+    assert shapes["PP+FSDP+TP"] == {"stage": 2, "fsdp": 2, "model": 2}
+    assert shapes["PP+TP"] == {"stage": 4, "data": 1, "model": 2}
     assert shapes["FSDP+EP"] == {"data": 2, "expert": 4}
     assert dict(nx.strategy_mesh(nx.auto_fsdp("x")).shape) == {"x": 8}
     with pytest.raises(nx.rules.RuleError, match="at most one of them -1"):

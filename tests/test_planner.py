@@ -39,11 +39,11 @@ def test_a_gpu_plan_fits_the_share_jax_preallocates_and_says_so(seven: planner.P
     """JAX gives arrays 75% of a GPU's memory by default: ZeRO-2 and the pipeline fit an
     H100's 80 GB but not its 60, and the plan names the variable that changes it."""
     assert seven.memory == 0.75 * 80e9 and not seven["ZeRO-2"].fits and not seven["PP"].fits
-    assert "XLA_PYTHON_CLIENT_MEM_FRACTION" in seven._repr_markdown_()
+    assert "XLA_CLIENT_MEM_FRACTION" in seven._repr_markdown_()
     whole = planner.plan(costs.SEVEN_B, 8, "H100", global_batch=64, seq=4096,
                          memory_per_device=80e9)  # fmt: skip
     assert whole["ZeRO-2"].fits and whole["PP"].fits
-    assert "XLA_PYTHON_CLIENT_MEM_FRACTION" not in whole._repr_markdown_()
+    assert "XLA_CLIENT_MEM_FRACTION" not in whole._repr_markdown_()
     tpu = planner.plan(costs.SEVEN_B, 8, "TPU v5p", global_batch=64, seq=4096)
     assert tpu.memory == costs.HARDWARE["TPU v5p"].memory
 

@@ -10,6 +10,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from nnxscale import costs
 from nnxscale.analysis.hlo import collectives
 from nnxscale.core.memory import CompiledMemory, device_bytes
 from nnxscale.core.trees import largest_difference
@@ -273,6 +274,11 @@ def test_unreduced_gradients_are_reduced_once_per_step(rules) -> None:
         runs[name] = run.train(batches, STEPS)
     p = 4 * sum(x.size for x in jax.tree.leaves(nnx.state(create(TINY), nnx.Param)))
     assert reduced["per step"] == p + 4 * m
+    setup = costs.Setup.of(rules, dict(mesh.shape), m, reduce_once=True)
+    sizes = costs.sizes_of(TINY, setup, 32, 32)
+    priced = costs.step_cost(TINY, setup, "H100", 32, 32).collectives
+    grads = [c for c in priced if c.transfer.what == "gradients"]
+    assert sum(c.array_bytes * c.transfer.passes(sizes) for c in grads) == p  # the cost model
     assert (m - 1) * p < reduced["per micro-batch"] <= m * p + 4 * m
     np.testing.assert_allclose(runs["per step"], runs["per micro-batch"], rtol=0, atol=1e-5)
 

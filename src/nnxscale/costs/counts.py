@@ -55,6 +55,7 @@ class Precision:
 PRECISIONS = {
     "the book: float32, AdamW, EMA": Precision(),
     "bfloat16 + float32 master, AdamW": Precision(2, 4, 8, 0, 4),
+    "bfloat16 + float32 master, AdamW, bfloat16 gradients": Precision(2, 4, 8, 0, 2),
     "bfloat16, AdamW in bfloat16": Precision(2, 0, 4, 0, 2),
     "bfloat16 + float32 master, 8-bit Adam": Precision(2, 4, 2, 0, 4),
     "float32, Adafactor (factored, no momentum)": Precision(4, 0, 0, 0, 4),
@@ -203,6 +204,10 @@ class Setup:
     precision: Precision = Precision()
     schedule: str = "lockstep"
     virtual: int = 1
+    reduce_once: bool = False
+    """Whether gradient accumulation reduces once per step (`train.unreduced_grads`: the
+    weights read whole for the step, the micro-batches' partial sums added unreduced)
+    instead of once per micro-batch."""
 
     @classmethod
     def of(
@@ -214,6 +219,7 @@ class Setup:
         precision: Precision | None = None,
         schedule: str = "lockstep",
         virtual: int = 1,
+        reduce_once: bool = False,
     ) -> Setup:
         """A setup from a mesh given as {axis: size}, in the rule set's axis order."""
         unknown = sorted(set(mesh) - set(rules.axes))
@@ -242,6 +248,7 @@ class Setup:
             precision or Precision(),
             schedule,
             int(virtual),
+            bool(reduce_once),
         )
 
     @property
@@ -269,7 +276,10 @@ class Setup:
         return f"{self.rules.name} on {axes}, {micro}, {remat}{self.pipelined()}"
 
     def pipelined(self) -> str:
-        """The pipeline schedule in words (", 1F1B, 2 virtual stages"), or "" for lockstep."""
+        """The pipeline schedule in words (", 1F1B, 2 virtual stages"), or "" for lockstep;
+        and ", gradients reduced once a step" where they are."""
+        if self.reduce_once:
+            return ", gradients reduced once a step"
         if self.schedule == "lockstep":
             return ""
         virtual = f", {self.virtual} virtual stages" if self.virtual > 1 else ""

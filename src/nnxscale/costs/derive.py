@@ -24,7 +24,6 @@ from nnxscale.costs.arrays import (
     PlacedArray,
     Transfer,
     arrays_of,
-    ordered,
     per_micro_batch,
     split_by,
     tensor_axes,
@@ -43,6 +42,7 @@ from nnxscale.costs.counts import (
     sizes_of,
 )
 from nnxscale.costs.formula import Formula
+from nnxscale.costs.moves import activation_transfers, context_axis, tensor_all_reduces
 from nnxscale.model.transformer import Config, remat_policy
 from nnxscale.placement.rules import Rules
 
@@ -101,18 +101,6 @@ class Costs:
         return out
 
 
-def _activation_transfers(
-    arrays: list[PlacedArray], rules: Rules, width: float, passes: int, moe: bool, rerun: bool
-) -> list[Transfer]:
-    """What moves activations between devices: tensor parallelism's all-reduces, expert
-    parallelism's all-to-alls (in each of `passes`) and ring attention's hops (their forward
-    again when remat rebuilds the layer: `rerun`)."""
-    found = _tensor_all_reduces(arrays, rules, width, passes)
-    if moe:
-        found += _expert_all_to_alls(rules, width, passes)
-    return found + _ring_hops(rules, width, rerun)
-
-
 _DERIVED: dict[tuple[str, str, object, int, str], Costs] = {}
 
 
@@ -122,20 +110,48 @@ def derive(
     remat: bool | str = False,
     moe: int = 0,
     schedule: str = "lockstep",
+    reduce_once: bool = False,
 ) -> Costs:
     """The formulas of one training step of the book's Transformer under `rules`, in the
     model's sizes, `batch` (sequences per step), `seq`, `micro` (micro-batches) and the size
     of each mesh axis: derived from the layout `rules` give the abstract model (once per
     rule set, dtype, remat policy and MLP: dense, or a mixture of experts as
     `nnxscale.activations.mixture` says, whose formulas also use `experts`, `top_k` and
-    `capacity`). A pipeline's formulas are those of its `schedule`."""
+    `capacity`). A pipeline's formulas are those of its `schedule`; with `reduce_once`,
+    those of gradient accumulation that reduces once per step (`Setup.reduce_once`)."""
     why = unpriced(rules, moe)
     if why:
         raise ValueError(why)
-    key = (repr(rules), compute_dtype, remat_policy(remat), moe, schedule)
+    key = (repr(rules), compute_dtype, remat_policy(remat), moe, schedule, reduce_once)
     if key not in _DERIVED:
-        _DERIVED[key] = _derive(rules, compute_dtype, remat, moe, schedule)
+        costs = _derive(rules, compute_dtype, remat, moe, schedule)
+        _DERIVED[key] = _reduced_once(costs, arrays_of(rules, bool(moe))) if reduce_once else costs
     return _DERIVED[key]
+
+
+def _reduced_once(costs: Costs, arrays: list[PlacedArray]) -> Costs:
+    """`costs` with gradient accumulation reducing once per step (`train.unreduced_grads`):
+    each weight gathered whole over the batch's axes once, before the micro-batches, in
+    float32, and held for the step beside its stored shard; the micro-batches' gradients
+    summed whole; one reduction after the last. Nothing precedes the gather or follows the
+    reduction in the step, so compute hides neither. A pipeline already reduces once."""
+    if costs.stage_axis is not None:
+        return costs
+    rules = costs.rules
+    whole = _stage_whole(arrays, set(rules.token_axes(rules.axes)))
+    once = Formula.of(1)
+    moved = [
+        dataclasses.replace(t, launches=once, overlap="blocking")
+        for t in weight_transfers(arrays, rules, once, once, STATE_BYTES)
+        if t.overlap in ("gather", "reduce")
+    ]
+    kept = [t for t in costs.transfers if t.overlap not in ("gather", "reduce")]
+    return dataclasses.replace(
+        costs,
+        weights=costs.weights + whole - costs.state["parameters"],
+        accumulator=whole,
+        transfers=tuple(moved + kept),
+    )
 
 
 def unpriced(rules: Rules, moe: int) -> str:
@@ -146,7 +162,7 @@ def unpriced(rules: Rules, moe: int) -> str:
         return ""
     arrays = arrays_of(rules, True)
     tensor = any(tensor_axes(arrays, name, rules) for name in ("heads", "mlp", "vocab"))
-    if tensor or _context_axis(rules) is not None or _tensor_stage(arrays) is not None:
+    if tensor or context_axis(rules) is not None or _tensor_stage(arrays) is not None:
         return (
             f"rule set {rules.name!r} has tensor, context or pipeline axes, which the cost "
             "model does not price for a mixture of experts: use data, FSDP and expert "
@@ -195,7 +211,7 @@ def _kept(
 ) -> tuple[Formula, Formula, Formula]:
     """Per device: the activations the backward pass reads, the compute copies of the
     weights (when the compute dtype or a token axis needs them), and what remat rebuilds."""
-    ring = _context_axis(rules)
+    ring = context_axis(rules)
     tokens = set(rules.token_axes(rules.axes))
     k = kept(compute_dtype, policy or False, ring=ring is not None, moe=moe)
     activations = per_micro_batch(
@@ -236,13 +252,13 @@ def _derive(rules: Rules, compute_dtype: str, remat: bool | str, moe: int, sched
         for a in arrays
         if "layers" in a.names
     )
-    ring = _context_axis(rules)
+    ring = context_axis(rules)
     activations, weights, rebuilt = _kept(rules, arrays, compute_dtype, policy, moe)
     head = per_micro_batch(split_by(Formula.product(["batch", "seq", "vocab"], LOGIT_BYTES), rules))
     passes = Formula.of("micro") * (2 if policy else 1)
     transfers = weight_transfers(arrays, rules, passes, Formula.of("micro"), width)
     again = policy == "full" or (policy == "dots" and bool(moe))  # the experts' slots again
-    transfers += _activation_transfers(
+    transfers += activation_transfers(
         arrays, rules, width, 3 if again else 2, bool(moe), policy is not None
     )
     accumulator = gradients
@@ -275,7 +291,7 @@ def _extra(
 ) -> dict[str, object]:
     """The batch's and the ring's axes, and the forward pass's and attention's FLOPs per
     device (a pipeline's backward runs its stage's forward again)."""
-    ring = _context_axis(rules)
+    ring = context_axis(rules)
     forward = sum((p.forward for p in products(moe)), Formula())
     return {
         "batch_axes": tuple(a for a in rules.token_axes(rules.axes) if a != ring),
@@ -299,22 +315,10 @@ def _ring_flops(policy: str | None, ring: str | None) -> Formula:
     return (pairs * 0.5 + pairs * 0.25 / ring) * (3.5 + again)
 
 
-def _context_axis(rules: Rules) -> str | None:
-    """The mesh axis, other than the batch's, that `rules` split the sequence over (a ring)."""
-    batch = set(rules.token_axes(())) | {
-        a for c in rules.logical.get("batch", ()) for a in ((c,) if isinstance(c, str) else c)
-    }
-    for candidate in rules.logical.get("length", ()):
-        for axis in (candidate,) if isinstance(candidate, str) else candidate:
-            if axis not in batch:
-                return axis
-    return None
-
-
 def _local(formula: Formula, rules: Rules) -> Formula:
     """A ring's kept blocks, already per device along the sequence (in `chunk`), split over
     the other axes as activations are, with `chunk` as `seq / context`."""
-    axis = _context_axis(rules)
+    axis = context_axis(rules)
     return (
         split_by(formula, rules)
         .replace("chunk", {"seq": 1, axis: -1})
@@ -324,76 +328,6 @@ def _local(formula: Formula, rules: Rules) -> Formula:
 
 def _total(formulas: Iterable[Formula]) -> Formula:
     return sum(formulas, Formula())
-
-
-def _tensor_all_reduces(
-    arrays: list[PlacedArray], rules: Rules, width: float, passes: int
-) -> list[Transfer]:
-    """Tensor parallelism's all-reduces of the residual stream: two per layer for each of
-    attention and MLP if their weights are split (in each of `passes`), two for a
-    vocabulary-parallel embedding and head."""
-    stream = per_micro_batch(split_by(Formula.product(["batch", "seq", "embed"], width), rules))
-    found = []
-    for name, per_layer, what in (
-        ("heads", True, "attention"),
-        ("mlp", True, "MLP"),
-        ("vocab", False, "embedding and head"),
-    ):
-        axes = tensor_axes(arrays, name, rules)
-        if axes:
-            count = Formula.of("layers") * passes if per_layer else Formula.of(2)
-            found.append(
-                Transfer(
-                    "all-reduce", axes, stream, count * "micro", count, "blocking",
-                    f"{what} outputs",
-                )
-            )  # fmt: skip
-    return found
-
-
-def _expert_all_to_alls(rules: Rules, width: float, passes: int) -> list[Transfer]:
-    """Expert parallelism's all-to-alls of the experts' slots: to the experts and back, in
-    each of `passes`, over the first axis that splits the experts."""
-    experts = ordered(
-        (a for c in rules.logical.get("experts", ()) for a in ((c,) if isinstance(c, str) else c)),
-        rules,
-    )
-    if not experts:
-        return []
-    slots = per_micro_batch(
-        split_by(Formula.product(["batch", "experts", "capacity", "embed"], width), rules)
-    )
-    count = Formula.of("layers") * 2 * passes
-    return [
-        Transfer(
-            "all-to-all", experts[:1], slots, count * "micro", count, "blocking",
-            "experts' slots",
-        )
-    ]  # fmt: skip
-
-
-def _ring_hops(rules: Rules, width: float, rerun: bool) -> list[Transfer]:
-    """Ring attention's hops when the sequence is split: keys and values in the compute
-    dtype, their gradients in float32."""
-    axis = _context_axis(rules)
-    if axis is None:
-        return []
-    values = Formula.product(["batch", "seq", "kv_heads", "head_dim"], 2)  # a K and a V block
-    hops = Formula.of(axis) - 1
-    # forward: N-1 hops, again when remat rebuilds the layer; backward: N-1 more, the
-    # first shared with the forward's (the compiler sends it once)
-    keys = Formula.of("layers") * (hops * (2 if rerun else 1) + hops - 1)
-    grads = Formula.of("layers") * Formula.of(axis)  # with K and V, and one hop home
-    return [
-        Transfer(
-            "collective-permute", (axis,), per_micro_batch(split_by(values * size, rules)),
-            count * "micro", count, "ring", what,
-        )
-        for size, count, what in (
-            (width, keys, "keys and values"),
-            (STATE_BYTES, grads, "their gradients, in float32"),
-        )
-    ]  # fmt: skip
 
 
 def _pipeline(
@@ -433,7 +367,7 @@ def _pipeline(
             "collective-permute", (stage,), micro, ticks * 2, ticks * 2, "blocking", HAND_OVERS
         )
     )
-    transfers += _in_stages(_tensor_all_reduces(arrays, rules, width, 3), stage)
+    transfers += _in_stages(tensor_all_reduces(arrays, rules, width, 3), stage)
     flops = (product_flops(None) * Formula.of(4) / 3).per(rules.axes)  # the backward runs it again
     weights = whole if tokens else Formula()  # the stage's weights, gathered once per step
     return Costs(
@@ -489,7 +423,7 @@ def _one_f_one_b(
     once = Formula.of(1)
     transfers = weight_transfers(arrays, rules, once, once, STATE_BYTES)
     passes = 3 if policy == "full" else 2
-    transfers += _in_stages(_tensor_all_reduces(arrays, rules, width, passes), stage)
+    transfers += _in_stages(tensor_all_reduces(arrays, rules, width, passes), stage)
     micro = per_micro_batch(split_by(Formula.product(["batch", "seq", "embed"], width), rules))
     sends = Formula.of("micro") * "virtual" * 2
     transfers.append(
@@ -556,7 +490,9 @@ def unsuitable(cfg: Config, setup: Setup, batch: int, seq: int) -> str:
     why = mixture_problem(cfg) or unpriced(setup.rules, mixture(cfg))
     if why:
         return why
-    costs = derive(setup.rules, cfg.compute_dtype, setup.remat, mixture(cfg), setup.schedule)
+    costs = derive(
+        setup.rules, cfg.compute_dtype, setup.remat, mixture(cfg), setup.schedule, setup.reduce_once
+    )
     sizes = sizes_of(cfg, setup, batch, seq)
     for size, axes in costs.splits:
         n = math.prod(setup.sizes[a] for a in axes)

@@ -107,7 +107,8 @@ on a run of `nnxscale.costs.runs`, or a published MFU where the model cannot exp
 
 GPU_PREALLOCATION = 0.75
 """The share of a GPU's memory JAX preallocates for arrays by default; the environment
-variable XLA_PYTHON_CLIENT_MEM_FRACTION changes it (NVIDIA's guide suggests 0.8 to 0.9)."""
+variable XLA_CLIENT_MEM_FRACTION changes it (in jaxlib 0.12; XLA_PYTHON_CLIENT_MEM_FRACTION is
+its deprecated name), and NVIDIA's guide suggests 0.8 to 0.9."""
 
 RUNTIME_SHARE = {
     "A100": GPU_PREALLOCATION,

@@ -300,7 +300,7 @@ def _memory(found: Plan) -> str:
     if hw.usable < 1 and found.memory == hw.memory * hw.usable:
         return (
             f"{gb:.0f} GB of arrays: JAX's default {hw.usable:.0%} of {hw.memory / 1e9:.0f} GB, "
-            "more with XLA_PYTHON_CLIENT_MEM_FRACTION"
+            "more with XLA_CLIENT_MEM_FRACTION"
         )
     return f"{gb:.0f} GB"
 

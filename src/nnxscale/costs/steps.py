@@ -260,7 +260,9 @@ def step_cost(
             f"{hw.efficiency_source})"
         )
     seq = seq or cfg.max_len
-    costs = derive(setup.rules, cfg.compute_dtype, setup.remat, mixture(cfg), setup.schedule)
+    costs = derive(
+        setup.rules, cfg.compute_dtype, setup.remat, mixture(cfg), setup.schedule, setup.reduce_once
+    )
     sizes = sizes_of(cfg, setup, batch, seq)
     mesh = setup.sizes
     precision = setup.precision
@@ -312,7 +314,9 @@ def ledger(cfg: Config, setup: Setup, batch: int, seq: int | None = None) -> dic
     backward pass keeps, and those remat rebuilds). Each is held at its own moment of the
     step, so the step's peak (`step_cost(...).peak`) is not their sum."""
     seq = seq or cfg.max_len
-    costs = derive(setup.rules, cfg.compute_dtype, setup.remat, mixture(cfg), setup.schedule)
+    costs = derive(
+        setup.rules, cfg.compute_dtype, setup.remat, mixture(cfg), setup.schedule, setup.reduce_once
+    )
     sizes = sizes_of(cfg, setup, batch, seq)
     state = state_bytes(costs, sizes, setup.precision)
     return {
@@ -330,7 +334,9 @@ def ledger_terms(cfg: Config, setup: Setup, batch: int, seq: int | None = None) 
     (float32, for the loss), and one layer rebuilt while its backward pass runs. Together
     they are `ledger(...)["activations"]`."""
     seq = seq or cfg.max_len
-    costs = derive(setup.rules, cfg.compute_dtype, setup.remat, mixture(cfg), setup.schedule)
+    costs = derive(
+        setup.rules, cfg.compute_dtype, setup.remat, mixture(cfg), setup.schedule, setup.reduce_once
+    )
     sizes = sizes_of(cfg, setup, batch, seq)
     parts = {"the layers' kept values": 0.0, "outside the layers": 0.0, "logits": 0.0}
     for powers, coefficient in costs.activations.terms.items():
