@@ -370,23 +370,9 @@ def _pipeline(
     transfers += _in_stages(tensor_all_reduces(arrays, rules, width, 3), stage)
     flops = (product_flops(None) * Formula.of(4) / 3).per(rules.axes)  # the backward runs it again
     weights = whole if tokens else Formula()  # the stage's weights, gathered once per step
-    return Costs(
-        rules,
-        state,
-        micro * slots,
-        weights,
-        rebuilt,
-        whole,
-        Formula(),
-        head_gradients,
-        whole,
-        head,
-        tuple(transfers),
-        flops,
-        splits,
-        stage,
-        **_extra(rules, pipeline=True),
-    )
+    common = (rules, state, whole, head_gradients, splits, stage)
+    parts = (micro * slots, weights, rebuilt, head, transfers, flops)
+    return _stage_costs(common, *parts, **_extra(rules, pipeline=True))
 
 
 def _one_f_one_b(
@@ -429,11 +415,32 @@ def _one_f_one_b(
     transfers.append(
         Transfer("collective-permute", (stage,), micro, sends, sends, "blocking", HAND_OVERS)
     )
+    common = (rules, state, whole, head_gradients, splits, stage)
+    weights = (whole if tokens else Formula()) + copies
+    flops = product_flops(policy).per(rules.axes)
+    parts = (activations, weights, rebuilt, head, transfers, flops)
+    return _stage_costs(common, *parts, **_extra(rules, policy=policy), schedule="1F1B")
+
+
+def _stage_costs(
+    common: tuple,
+    activations: Formula,
+    weights: Formula,
+    rebuilt: Formula,
+    head: Formula,
+    transfers: list[Transfer],
+    flops: Formula,
+    **extra: object,
+) -> Costs:
+    """A pipeline's `Costs`: what every schedule shares (`common`: the rule set, the state,
+    the stage's whole weights and gradients, the head's gradients, the splits, the stage
+    axis), and what its schedule sets."""
+    rules, state, whole, head_gradients, splits, stage = common
     return Costs(
         rules,
         state,
         activations,
-        (whole if tokens else Formula()) + copies,
+        weights,
         rebuilt,
         whole,
         Formula(),
@@ -441,11 +448,10 @@ def _one_f_one_b(
         whole,
         head,
         tuple(transfers),
-        product_flops(policy).per(rules.axes),
+        flops,
         splits,
         stage,
-        **_extra(rules, policy=policy),
-        schedule="1F1B",
+        **extra,
     )
 
 
