@@ -217,3 +217,12 @@ def test_a_weight_is_read_gathered_over_the_token_axes_only() -> None:
     assert stored == [("data",), ("model",), None] and read == [None, ("model",), None]
     stored, read = weight_axes((64, 4, 16), names, ZERO2, mesh)
     assert stored == read == [None, None, None]  # ZeRO keeps parameters whole
+
+
+def test_axes_of_flattens_a_logical_axis_candidates() -> None:
+    from nnxscale.placement.rules import FSDP_TP, HSDP, PP_FSDP_TP
+
+    assert FSDP_TP.axes_of("mlp") == ("model", "data")
+    assert HSDP.axes_of("batch") == ("replica", "data")
+    assert PP_FSDP_TP.axes_of("residual_length") == ("model",)
+    assert PP_FSDP_TP.axes_of("no such axis") == ()

@@ -370,11 +370,7 @@ def _padded(layers: int, setup: Setup) -> int:
     """The layers a pipeline's busiest stage runs, times the stages and virtual stages: a
     stage count that does not divide the layers gives some stages one layer more, and the
     slowest stage sets the step's pace (Llama 3 405B's 126 layers ran as 16 stages of 8)."""
-    stages = math.prod(
-        setup.sizes.get(a, 1)
-        for c in setup.rules.logical.get("layers", ())
-        for a in ((c,) if isinstance(c, str) else c)
-    )
+    stages = math.prod(setup.sizes.get(a, 1) for a in setup.rules.axes_of("layers"))
     chunks = stages * setup.virtual
     return -(-layers // chunks) * chunks
 

@@ -101,7 +101,7 @@ class Costs:
         return out
 
 
-_DERIVED: dict[tuple[str, str, object, int, str], Costs] = {}
+_DERIVED: dict[tuple[str, str, object, int, str, bool], Costs] = {}
 
 
 def derive(
@@ -400,7 +400,7 @@ def _one_f_one_b(
     k = kept(compute_dtype, policy or False)
     layer = per_micro_batch(split_by(k.layer, rules))
     if policy == "full":  # the layer's input: the residual stream, split by Megatron's SP
-        layer = layer.per(a for c in rules.logical.get("residual_length", ()) for a in _axes(c))
+        layer = layer.per(rules.axes_of("residual_length"))
     in_flight = Formula.of(stage) + (Formula.of(stage) - 1) * "interleaved" / "virtual"
     activations = (layer * "layers").per([stage]) * in_flight + per_micro_batch(
         split_by(k.model, rules)
@@ -466,10 +466,6 @@ def _stage_whole(arrays: list[PlacedArray], tokens: set[str]) -> Formula:
         a.elements.per(x for d in a.axes["params"] for x in d if x not in tokens) * STATE_BYTES
         for a in arrays
     )
-
-
-def _axes(candidate: str | tuple[str, ...]) -> tuple[str, ...]:
-    return (candidate,) if isinstance(candidate, str) else candidate
 
 
 def _in_stages(transfers: list[Transfer], stage: str) -> list[Transfer]:

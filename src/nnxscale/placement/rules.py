@@ -160,6 +160,10 @@ class Rules:
         axes = {a for cands in self.logical.values() for c in cands for a in _as_tuple(c)}
         return axes | ({self.auto_axis} if self.auto_axis else set())
 
+    def axes_of(self, name: str) -> tuple[str, ...]:
+        """Every mesh axis among the candidates for logical axis `name`, in order."""
+        return tuple(a for c in self.logical.get(name, ()) for a in _as_tuple(c))
+
     def shards_anything(self) -> bool:
         """Whether the rule set splits any parameter (DP and PP's replicated parts do not)."""
         named = any(c for name, c in self.logical.items() if name != "batch")
