@@ -366,6 +366,32 @@ def test_overlap_follows_the_steps_dependencies() -> None:
     assert small.exposed > 0.5 * small.step_time and small.bound == "communication"
 
 
+def test_each_axis_of_a_torus_has_its_own_links() -> None:
+    """On a TPU torus, collectives over disjoint mesh axes travel on different links and run
+    side by side; those sharing an axis, directly or through a third, share its links; a
+    switch's fast links (NVLink) and the slow network are one lane each."""
+    found = costs.lanes(
+        [
+            (("data",), "fast"),
+            (("model",), "fast"),
+            (("replica", "data"), "fast"),
+            (("x",), "slow"),
+        ],
+        torus=True,
+    )
+    assert found == ["fast: data x replica", "fast: model", "fast: data x replica", "slow"]
+    assert costs.lanes([(("data",), "fast"), (("model",), "fast")], torus=False) == ["fast"] * 2
+    # HSDP+TP on one v5p slice: on the torus the TP all-reduces, the replica all-reduce and
+    # FSDP's gathers each have their own lane; through a switch they would add up
+    setup = costs.Setup.of(STRATEGIES["HSDP+TP"], {"replica": 4, "data": 16, "model": 4}, 1, "full")
+    v5p = costs.HARDWARE["TPU v5p"]
+    torus = costs.step_cost(costs.SEVEN_B, setup, v5p, 32, 4096)
+    switch = costs.step_cost(costs.SEVEN_B, setup, v5p.replace(ring=False), 32, 4096)
+    assert {c.lane for c in torus.collectives} == {"fast: data", "fast: model", "fast: replica"}
+    assert {c.lane for c in switch.collectives} == {"fast"}
+    assert torus.comm_time == switch.comm_time and torus.exposed < switch.exposed
+
+
 def test_collectives_on_one_link_add_up_before_they_hide() -> None:
     """FSDP over 64 H100s in 8 hosts: the gathers and the reductions share the network, and
     together take longer than the step computes, though each alone would fit. Whatever

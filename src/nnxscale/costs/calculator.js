@@ -1,8 +1,8 @@
 // The cost model of nnxscale.costs, in the browser. The library writes into the page, for
 // every rule set the planner considers, the formulas it derives from that rule set (SPEC);
 // this script evaluates them and repeats only step_cost's arithmetic rules: the moments
-// that can be a step's peak, the link a collective crosses, what compute hides, and a
-// pipeline's lockstep ticks. A browser test compares its answers with the library's.
+// that can be a step's peak, the link a collective crosses and the lane it shares, what
+// compute hides, and a pipeline's lockstep ticks. A browser test compares its answers with the library's.
 (function () {
   "use strict";
 
@@ -118,6 +118,24 @@
     return sizes;
   }
 
+  // nnxscale.costs.lanes: the lane of each [axes, where]; on a torus each axis has its own links
+  function lanes(collectives, torus) {
+    let groups = [];
+    const onTorus = (where) => torus && where === "fast";
+    for (const [axes, where] of collectives) {
+      if (!onTorus(where)) continue;
+      const meets = (g) => axes.some((a) => g.has(a));
+      const joined = new Set(axes);
+      for (const g of groups.filter(meets)) for (const a of g) joined.add(a);
+      groups = groups.filter((g) => ![...g].some((a) => joined.has(a))).concat([joined]);
+    }
+    return collectives.map(([axes, where]) => {
+      if (!onTorus(where)) return where;
+      const group = groups.find((g) => axes.some((a) => g.has(a)));
+      return "fast: " + [...group].sort().join(" x ");
+    });
+  }
+
   // nnxscale.costs.hide: the collectives on one link that compute can hide, [seconds, overlap, pieces] each
   function hide(group, window) {
     const sum = (k) => group.filter(([, o]) => o === k).reduce((a, [s]) => a + s, 0);
@@ -154,21 +172,22 @@
     const forward = (compute * evaluate(c.forward_flops, sizes)) / flops;
     const window = { gather: compute, reduce: compute - forward, ring: (compute * evaluate(c.attention_flops, sizes)) / flops };
     let sent = 0, seconds = 0, exposed = 0;
-    const links = { fast: [], slow: [] }, busy = { fast: 0, slow: 0 };
-    for (const t of c.transfers) {
+    const crossing = c.transfers.filter((t) => product(t.axes.map((a) => mesh[a])) > 1);
+    const where = crossing.map((t) => [t.axes, within(t.axes, mesh, hw) ? "fast" : "slow"]);
+    const lane = lanes(where, hw.ring);
+    const links = {}, busy = {};
+    crossing.forEach((t, i) => {
       const n = product(t.axes.map((a) => mesh[a]));
-      if (n === 1) continue;
       const passes = evaluate(t.passes, sizes);
       const [s, time] = collectiveSeconds(t.kind, evaluate(t.array, sizes), n, mesh, t.axes, hw);
       sent += passes * s;
       seconds += passes * time;
-      const where = within(t.axes, mesh, hw) ? "fast" : "slow";
-      busy[where] += passes * time;
+      busy[lane[i]] = (busy[lane[i]] || 0) + passes * time;
       if (!spec.constants.HIDDEN.includes(t.overlap)) exposed += passes * time;
-      else links[where].push([passes * time, t.overlap, evaluate(t.launches, sizes)]);
-    }
+      else (links[lane[i]] = links[lane[i]] || []).push([passes * time, t.overlap, evaluate(t.launches, sizes)]);
+    });
     for (const group of Object.values(links)) exposed += hide(group, window);
-    const busiest = Math.max(...Object.values(busy));
+    const busiest = Math.max(0, ...Object.values(busy));
     let bubble = 0;
     if (c.stage_axis) {
       const p = mesh[c.stage_axis];

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 
 from nnxscale.analysis.comm import ring_bytes
 from nnxscale.costs.activations import mixture
@@ -32,6 +32,9 @@ class Collective:
     exposed: float
     link: str
     """The link it crosses: `fast` inside a fast domain, `slow` across domains."""
+    lane: str = ""
+    """The links it shares with other collectives (`lanes`): what adds up before compute
+    hides any of it."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,9 +84,10 @@ class StepCost:
         than the step computes, so that compute cannot hide its collectives (`crossover`)."""
         busiest = max(
             (
-                sum(c.seconds for c in self.collectives if c.link == where)
-                for where in ("fast", "slow")
+                sum(c.seconds for c in self.collectives if c.lane == lane)
+                for lane in {c.lane for c in self.collectives}
             ),
+            default=0.0,
         )
         return "communication" if busiest > self.compute_time else "compute"
 
@@ -199,6 +203,28 @@ def hide(
     return min(total, excess + first)
 
 
+def lanes(collectives: Sequence[tuple[Sequence[str], str]], torus: bool) -> list[str]:
+    """The lane each collective (its mesh axes, and its link: `fast` or `slow`) travels in:
+    the collectives of one lane share links, so they add up before compute hides any of
+    them (`hide`). The slow links are one lane (a host's network adapters), and so are a
+    switch's fast links (NVLink); on a torus each mesh axis has links of its own (ICI along
+    its torus dimensions), so collectives over disjoint axes run side by side, and those
+    that share an axis, directly or through a third, share a lane."""
+    groups: list[set[str]] = []
+    for axes, where in collectives:
+        if torus and where == "fast":
+            joined = set(axes).union(*(g for g in groups if g & set(axes)))
+            groups = [g for g in groups if not g & joined] + [joined]
+
+    def lane(axes: Sequence[str], where: str) -> str:
+        if not (torus and where == "fast"):
+            return where
+        (group,) = [g for g in groups if g & set(axes)]
+        return "fast: " + " x ".join(sorted(group))
+
+    return [lane(axes, where) for axes, where in collectives]
+
+
 def _collectives(
     costs: Costs,
     sizes: dict[str, int],
@@ -207,8 +233,8 @@ def _collectives(
     window: dict[str, float],
 ) -> list[Collective]:
     """Each transfer of the step that crosses devices, timed on `hw`, exposed whole if compute
-    cannot hide it, else with its share of what compute leaves exposed on its link (`hide`,
-    per link: the fast one and the slow one run side by side)."""
+    cannot hide it, else with its share of what compute leaves exposed in its lane (`hide`,
+    per lane: `lanes`, which run side by side)."""
     timed = []
     for t in costs.transfers:
         n = math.prod(mesh[a] for a in t.axes)
@@ -218,16 +244,21 @@ def _collectives(
         sent, seconds = collective_seconds(t.kind, array, n, mesh, t.axes, hw)
         where = "fast" if within(t.axes, mesh, hw) else "slow"
         timed.append((t, n, array, passes * sent, passes * seconds, where, t.launches(sizes)))
+    found = lanes([(row[0].axes, row[5]) for row in timed], hw.ring)
     share = {}
-    for where in ("fast", "slow"):
-        group = [row for row in timed if row[5] == where and row[0].overlap in HIDDEN]
+    for lane in set(found):
+        group = [
+            row
+            for row, x in zip(timed, found, strict=True)
+            if x == lane and row[0].overlap in HIDDEN
+        ]
         seconds = [row[4] for row in group]
         overlap = [row[0].overlap for row in group]
         exposed = hide(seconds, overlap, [row[6] for row in group], window)
-        share[where] = exposed / (sum(seconds) or 1.0)
+        share[lane] = exposed / (sum(seconds) or 1.0)
     return [
-        Collective(t, n, array, sent, s, s * share[where] if t.overlap in HIDDEN else s, where)
-        for t, n, array, sent, s, where, _ in timed
+        Collective(t, n, array, sent, s, s * share[lane] if t.overlap in HIDDEN else s, where, lane)
+        for (t, n, array, sent, s, where, _), lane in zip(timed, found, strict=True)
     ]
 
 
@@ -390,10 +421,11 @@ def crossover(cfg: Config, setup: Setup, hw: Hardware | str, seq: int | None = N
             sum(
                 c.seconds
                 for c in cost.collectives
-                if c.link == where and c.transfer.overlap in ("gather", "reduce")
+                if c.lane == lane and c.transfer.overlap in ("gather", "reduce")
             )
-            for where in ("fast", "slow")
+            for lane in {c.lane for c in cost.collectives}
         ),
+        default=0.0,
     )
     per_device = (
         seq / math.prod(setup.sizes[a] for a in tokens if a == "context")
