@@ -110,7 +110,8 @@ def test_the_derived_state_equals_the_placed_state(name: str) -> None:
 @pytest.mark.parametrize(
     "name, inner", [("FSDP", {}), ("FSDP+TP", {"model": 8}), ("HSDP", {"replica": 16}),
                     ("ZeRO-2", {}), ("PP+FSDP", {"stage": 16}),
-                    ("PP+FSDP+TP", {"stage": 16, "model": 8})],
+                    ("PP+FSDP+TP", {"stage": 16, "model": 8}),
+                    ("PP+FSDP+CP+TP", {"stage": 4, "context": 4, "model": 4})],
 )  # fmt: skip
 def test_the_formulas_equal_the_layout_on_an_abstract_mesh(name: str, inner, devices: int) -> None:
     """At 4,096 devices the abstract layout costs no memory: resolved at the real sizes, it

@@ -384,8 +384,8 @@ def test_path_rules_take_the_longest_match_and_refuse_a_tie() -> None:
 
 def test_the_vocabulary_names_every_logical_axis_of_the_book() -> None:
     used = {name for rules in nx.rules.STRATEGIES.values() for name in rules.logical}
-    assert used <= set(nx.rules.VOCABULARY), used - set(nx.rules.VOCABULARY)
-    assert set(nx.rules.VOCABULARY) - used == set()
+    assert used <= set(nx.naming.VOCABULARY), used - set(nx.naming.VOCABULARY)
+    assert set(nx.naming.VOCABULARY) - used == set()
 
 
 # 4. replication is never silent

@@ -306,6 +306,7 @@ def test_every_strategy_of_the_table_builds_its_mesh() -> None:
         "CP",
         "FSDP+CP",
         "FSDP+CP+TP",
+        "PP+FSDP+CP+TP",
         "EP",
         "FSDP+EP",
     }
@@ -321,6 +322,7 @@ def test_every_strategy_of_the_table_builds_its_mesh() -> None:
     assert shapes["EP"] == {"data": 1, "expert": 8}
     assert shapes["PP+FSDP+TP"] == {"stage": 2, "fsdp": 2, "model": 2}
     assert shapes["PP+TP"] == {"stage": 4, "data": 1, "model": 2}
+    assert shapes["PP+FSDP+CP+TP"] == {"stage": 1, "fsdp": 2, "context": 2, "model": 2}
     assert shapes["FSDP+EP"] == {"data": 2, "expert": 4}
     assert dict(nx.strategy_mesh(nx.auto_fsdp("x")).shape) == {"x": 8}
     with pytest.raises(nx.rules.RuleError, match="at most one of them -1"):

@@ -206,6 +206,34 @@ def test_llama_3_405b_on_16384_h100s_is_planned_as_it_was_trained() -> None:
     assert 400 / 1.3 <= tflops <= 400 * 1.3
 
 
+def test_a_context_ring_inside_pipeline_stages_runs_its_stages_share() -> None:
+    """PP+FSDP+CP+TP (Llama 3 at 131k tokens): each device sends its stage's ring hops and
+    computes its stage's FLOPs, 1/p of the same ring without stages; with full remat it
+    keeps each layer's input split over the ring and over TP's sequence parallelism."""
+    staged = STRATEGIES["PP+FSDP+CP+TP"]
+    cfg, batch, seq = costs.SEVEN_B.replace(max_len=32_768), 16, 32_768
+    inner = {"context": 4, "model": 2}
+    one = costs.Setup.of(STRATEGIES["FSDP+CP+TP"], {"data": 2, **inner}, 8, "full")
+    four = costs.Setup.of(
+        staged, {"stage": 4, "fsdp": 2, **inner}, 8, "full", schedule="1F1B", virtual=2
+    )
+    steps = {s.rules.name: costs.step_cost(cfg, s, "H100", batch, seq) for s in (one, four)}
+
+    def hops(step: costs.StepCost) -> float:
+        return sum(
+            c.sent
+            for c in step.collectives
+            if c.transfer.kind == "collective-permute" and c.transfer.axes == ("context",)
+        )
+
+    assert hops(steps["FSDP+CP+TP"]) == pytest.approx(4 * hops(steps["PP+FSDP+CP+TP"]))
+    assert steps["FSDP+CP+TP"].flops == pytest.approx(4 * steps["PP+FSDP+CP+TP"].flops)
+    kept = costs.ledger_terms(cfg, four, batch, seq)["the layers' kept values"]
+    # L / p layers' inputs for p + (p - 1) / v micro-batches in flight, in bfloat16, of one
+    # sequence per micro-batch and device, split over context x model
+    assert kept == 32 / 4 * (4 + 3 / 2) * 1 * seq / (4 * 2) * cfg.embed * 2
+
+
 def test_a_pipeline_is_priced_by_its_schedule() -> None:
     """1F1B idles (p - 1) / (v m + p - 1) of its step, the lockstep executor more; interleaving
     keeps more micro-batches in flight; a stage count the layers do not divide is padded."""

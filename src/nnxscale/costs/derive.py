@@ -42,7 +42,12 @@ from nnxscale.costs.counts import (
     sizes_of,
 )
 from nnxscale.costs.formula import Formula
-from nnxscale.costs.moves import activation_transfers, context_axis, tensor_all_reduces
+from nnxscale.costs.moves import (
+    activation_transfers,
+    context_axis,
+    ring_hops,
+    tensor_all_reduces,
+)
 from nnxscale.model.transformer import Config, remat_policy
 from nnxscale.placement.rules import Rules
 
@@ -262,10 +267,7 @@ def _derive(rules: Rules, compute_dtype: str, remat: bool | str, moe: int, sched
         arrays, rules, width, 3 if again else 2, bool(moe), policy is not None
     )
     accumulator = gradients
-    flops = product_flops(policy, bool(moe))
-    if ring is not None:
-        flops += _ring_flops(policy, ring) - _ring_flops(policy, None)
-    flops = flops.per(rules.axes)
+    flops = _step_flops(policy, bool(moe), ring).per(rules.axes)
     extra = _extra(rules, moe=bool(moe), policy=policy)
     return Costs(
         rules,
@@ -390,26 +392,30 @@ def _one_f_one_b(
     the first device: p, or interleaved p + (p - 1) / v (Korthikanti et al. 2022). It holds
     its stage's weights and gradients whole in float32 (gathered once per step over an
     inner FSDP axis and reduce-scattered once, as Llama 3's FSDP inside stages), runs TP's
-    all-reduces in each of its passes, and hands an activation forward and a gradient back
-    at each virtual stage."""
+    all-reduces and a context ring's hops for its own layers in each of its passes, and
+    hands an activation forward and a gradient back at each virtual stage."""
     state, head_gradients, splits = held
     width = DTYPE_BYTES[compute_dtype]
     tokens = set(rules.token_axes(rules.axes))
     whole = _stage_whole(arrays, tokens)
     _, copies, rebuilt = _kept(rules, arrays, compute_dtype, policy, 0)
-    k = kept(compute_dtype, policy or False)
-    layer = per_micro_batch(split_by(k.layer, rules))
+    ring = context_axis(rules)
+    k = kept(compute_dtype, policy or False, ring=ring is not None)
+    blocks = _local(k.local, rules) if ring else Formula()
+    layer = per_micro_batch(split_by(k.layer, rules) + _layer_terms(blocks) / "layers")
     if policy == "full":  # the layer's input: the residual stream, split by Megatron's SP
-        layer = layer.per(rules.axes_of("residual_length"))
+        layer = layer.per(a for a in rules.axes_of("residual_length") if a != ring)
     in_flight = Formula.of(stage) + (Formula.of(stage) - 1) * "interleaved" / "virtual"
-    activations = (layer * "layers").per([stage]) * in_flight + per_micro_batch(
-        split_by(k.model, rules)
-    )
+    model = split_by(k.model, rules) + blocks - _layer_terms(blocks)
+    activations = (layer * "layers").per([stage]) * in_flight + per_micro_batch(model)
     head = per_micro_batch(split_by(Formula.product(["batch", "seq", "vocab"], LOGIT_BYTES), rules))
     once = Formula.of(1)
     transfers = weight_transfers(arrays, rules, once, once, STATE_BYTES)
     passes = 3 if policy == "full" else 2
-    transfers += _in_stages(tensor_all_reduces(arrays, rules, width, passes), stage)
+    moved = tensor_all_reduces(arrays, rules, width, passes) + ring_hops(
+        rules, width, policy is not None
+    )
+    transfers += _in_stages(moved, stage)
     micro = per_micro_batch(split_by(Formula.product(["batch", "seq", "embed"], width), rules))
     sends = Formula.of("micro") * "virtual" * 2
     transfers.append(
@@ -417,9 +423,23 @@ def _one_f_one_b(
     )
     common = (rules, state, whole, head_gradients, splits, stage)
     weights = (whole if tokens else Formula()) + copies
-    flops = product_flops(policy).per(rules.axes)
+    flops = _step_flops(policy, False, ring).per(rules.axes)
     parts = (activations, weights, rebuilt, head, transfers, flops)
     return _stage_costs(common, *parts, **_extra(rules, policy=policy), schedule="1F1B")
+
+
+def _layer_terms(formula: Formula) -> Formula:
+    """The terms of `formula` that grow with the layers: what every layer keeps."""
+    return Formula({p: c for p, c in formula.terms.items() if "layers" in dict(p)})
+
+
+def _step_flops(policy: str | None, moe: bool, ring: str | None) -> Formula:
+    """Matmul FLOPs of a step over all devices: the products, with attention's as the
+    zig-zag ring scores them when a ring splits the sequence."""
+    flops = product_flops(policy, moe)
+    if ring is not None:
+        flops += _ring_flops(policy, ring) - _ring_flops(policy, None)
+    return flops
 
 
 def _stage_costs(

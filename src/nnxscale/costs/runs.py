@@ -292,10 +292,10 @@ _LLAMA3_405B = {
     "virtual": 2,
     "source": "dubey2024llama",
 }
-"""Llama 3 405B at 8k tokens: 16 stages of Megatron-style interleaved 1F1B (section 3.3.2;
-its virtual stages and its recompute the paper does not give: 2, and full remat, the
-least memory, are assumed), FSDP and TP 8 with sequence parallelism inside each stage, and
-one sequence per micro-batch."""
+"""Llama 3 405B: 16 stages of Megatron-style interleaved 1F1B (section 3.3.2; its virtual
+stages and its recompute the paper does not give: 2, and full remat, the least memory, are
+assumed), FSDP and TP 8 with sequence parallelism inside each stage (at 131k tokens a
+context ring of 16 as well), and one sequence per micro-batch."""
 _TFLOPS = {"quantity": "TFLOP/s per device"}
 
 MEGATRON_1T = Config(
@@ -392,17 +392,12 @@ OTHER_RUNS = (
     Run(
         name="Llama 3.1 405B, 16,384 H100s, 131k",
         cfg=LLAMA3_405B.replace(max_len=131_072),
-        hardware="H100",
-        rules=None,
-        mesh={"stage": 16, "data": 8, "context": 16, "model": 8},
+        mesh={"stage": 16, "fsdp": 8, "context": 16, "model": 8},
         batch=128,
-        seq=131_072,
-        remat="dots",
+        micro=16,
         published=380,
-        source="dubey2024llama",
         where=_LLAMA3,
-        why="CP 16 inside pipeline stages: no rule set of the book combines a context ring "
-        "with pipeline stages",
+        **{**_LLAMA3_405B, "rules": "PP+FSDP+CP+TP", "seq": 131_072},
         **_TFLOPS,
     ),
     Run(

@@ -1,7 +1,7 @@
 """Logical names for a model the library was not written for, proposed from paths and shapes.
 
 Tensor parallelism needs every weight to say which of its dimensions are heads, MLP units or
-vocabulary (`nnxscale.rules.VOCABULARY`). `propose(model)` reads each parameter's path and
+vocabulary (`VOCABULARY`). `propose(model)` reads each parameter's path and
 shape, recognises the usual roles (embeddings, attention's query, key, value and output
 projections, the MLP's up and down projections, the output head, norms and biases), and
 returns a table for the reader to check. `Proposal.edit` corrects a row; `Proposal.rules`
@@ -25,6 +25,26 @@ from nnxscale.placement.init import abstract
 from nnxscale.placement.rules import RuleError, Rules
 
 Names = tuple[str | None, ...]
+
+VOCABULARY = {
+    "batch": "examples of a batch (activations' first dimension)",
+    "length": "positions of a sequence inside attention (keys, values, scores)",
+    "residual_length": "positions of a sequence in the residual stream (norms, adds, dropout)",
+    "vocab": "token ids: rows of the embedding table, columns of the output head",
+    "embed": "the model width: the residual stream's features, in and out of every block",
+    "heads": "attention heads of the queries (and of the output projection's input)",
+    "kv_heads": "attention heads of keys and values (fewer than `heads` under grouped-query "
+    "attention: split them only as far as they divide)",
+    "head_dim": "features inside one attention head",
+    "mlp": "the MLP's hidden units (up projection's output, down projection's input)",
+    "layers": "stacked layers of a scanned or pipelined model",
+    "experts": "experts of a mixture-of-experts layer",
+    "groups": "token groups routed to experts together",
+    "rounds": "virtual-stage rounds of an interleaved pipeline",
+}
+"""The logical axis names the book's rule sets give rules for, and what each names. Annotate
+a model with these (or let `propose` suggest them) and every rule set of the
+book places it; names outside this list need a rule of their own."""
 
 _ROLES: tuple[tuple[str, str], ...] = (
     ("norm", r"norm|(^|/)ln|scale$"),
@@ -159,7 +179,7 @@ def _check_rank(rows: list[Row]) -> None:
 
 
 def propose(model: nnx.Module | Callable[[], nnx.Module]) -> Proposal:
-    """Logical names (`nnxscale.rules.VOCABULARY`) for every `nnx.Param` of `model` (a
+    """Logical names (`VOCABULARY`) for every `nnx.Param` of `model` (a
     module, or a function that creates one, traced abstractly), from its path and shape. The
     model's width is its most common parameter dimension; the vocabulary is the largest other
     dimension of an embedding or output head (a position table is shorter than it)."""

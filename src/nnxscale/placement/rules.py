@@ -382,8 +382,23 @@ FSDP_CP_TP = Rules(
     sizes=(-1, 2, 2),
 )
 """FSDP over `data`, every sequence split over `context` (ring attention) and tensor
-parallelism over `model` inside a host: the layout of long-context training (Llama 3 at
-131k tokens ran CP 16 x TP 8 inside pipeline stages). With `data` of one device it is CP x TP."""
+parallelism over `model` inside a host: the layout of long-context training (inside
+pipeline stages: `PP_FSDP_CP_TP`). With `data` of one device it is CP x TP."""
+
+PP_FSDP_CP_TP = Rules(
+    "PP+FSDP+CP+TP",
+    {
+        **PP_FSDP_TP.logical,
+        "length": (CONTEXT,),
+        "residual_length": ((CONTEXT, "model"),),
+    },
+    axes=(STAGE, FSDP_AXIS, CONTEXT, "model"),
+    sizes=(-1, 2, 2, 2),
+)
+"""Context parallelism inside pipeline stages, as Llama 3 405B trained at 131k tokens:
+stages over `stage`, and inside each stage FSDP over `fsdp`, every sequence split over
+`context` (ring attention) and TP over `model`, with sequence parallelism splitting the
+residual stream's chunk of the sequence over `model` too."""
 
 EXPERT = "expert"
 """The mesh axis expert parallelism splits a mixture's experts over."""
@@ -432,6 +447,7 @@ STRATEGIES = {
         CP,
         FSDP_CP,
         FSDP_CP_TP,
+        PP_FSDP_CP_TP,
         EP,
         FSDP_EP,
     )
@@ -560,27 +576,6 @@ def flax_rules(
         logical[name] = (*tried, *rest)
     over = f" over {base.name}" if base.name and not base.name.startswith("mesh axes") else ""
     return base.replace(name=f"Flax rules{over}", logical=logical)
-
-
-VOCABULARY = {
-    "batch": "examples of a batch (activations' first dimension)",
-    "length": "positions of a sequence inside attention (keys, values, scores)",
-    "residual_length": "positions of a sequence in the residual stream (norms, adds, dropout)",
-    "vocab": "token ids: rows of the embedding table, columns of the output head",
-    "embed": "the model width: the residual stream's features, in and out of every block",
-    "heads": "attention heads of the queries (and of the output projection's input)",
-    "kv_heads": "attention heads of keys and values (fewer than `heads` under grouped-query "
-    "attention: split them only as far as they divide)",
-    "head_dim": "features inside one attention head",
-    "mlp": "the MLP's hidden units (up projection's output, down projection's input)",
-    "layers": "stacked layers of a scanned or pipelined model",
-    "experts": "experts of a mixture-of-experts layer",
-    "groups": "token groups routed to experts together",
-    "rounds": "virtual-stage rounds of an interleaved pipeline",
-}
-"""The logical axis names the book's rule sets give rules for, and what each names. Annotate
-a model with these (or let `nnxscale.naming.propose` suggest them) and every rule set of the
-book places it; names outside this list need a rule of their own."""
 
 
 def strategy_mesh(rules: Rules, devices: int | None = None, *, explicit: bool = False) -> Mesh:
