@@ -124,7 +124,7 @@ def derive(
     `nnxscale.activations.mixture` says, whose formulas also use `experts`, `top_k` and
     `capacity`). A pipeline's formulas are those of its `schedule`; with `reduce_once`,
     those of gradient accumulation that reduces once per step (`Setup.reduce_once`)."""
-    why = unpriced(rules, moe)
+    why = unpriced(rules, moe, schedule)
     if why:
         raise ValueError(why)
     key = (repr(rules), compute_dtype, remat_policy(remat), moe, schedule, reduce_once)
@@ -159,10 +159,17 @@ def _reduced_once(costs: Costs, arrays: list[PlacedArray]) -> Costs:
     )
 
 
-def unpriced(rules: Rules, moe: int) -> str:
-    """Why the cost model has no formulas for `rules` on this model, or "": for a mixture of
-    experts, tensor, context and pipeline axes (what the compiled steps were checked
-    against is data, FSDP and expert parallelism)."""
+def unpriced(rules: Rules, moe: int, schedule: str = "lockstep") -> str:
+    """Why the cost model has no formulas for `rules` on this model and pipeline `schedule`,
+    or "": for a mixture of experts, tensor, context and pipeline axes (what the compiled
+    steps were checked against is data, FSDP and expert parallelism); for a context ring
+    inside pipeline stages, the lockstep executor (`nnxscale.pipeline` runs no ring)."""
+    staged = _tensor_stage(arrays_of(rules, bool(moe))) is not None
+    if schedule == "lockstep" and staged and context_axis(rules) is not None:
+        return (
+            f"rule set {rules.name!r} runs a context ring inside pipeline stages, which the "
+            "book's lockstep executor does not: price it with schedule='1F1B'"
+        )
     if not moe:
         return ""
     arrays = arrays_of(rules, True)
@@ -509,7 +516,7 @@ def _tensor_stage(arrays: list[PlacedArray]) -> str | None:
 
 def unsuitable(cfg: Config, setup: Setup, batch: int, seq: int) -> str:
     """Why `setup` cannot run this model and batch as the cost model prices it, or ""."""
-    why = mixture_problem(cfg) or unpriced(setup.rules, mixture(cfg))
+    why = mixture_problem(cfg) or unpriced(setup.rules, mixture(cfg), setup.schedule)
     if why:
         return why
     costs = derive(

@@ -54,7 +54,12 @@ PLANNED = (
 )
 """The rule sets the planner considers for a dense model (their names in `STRATEGIES`). Not
 ZeRO-1: XLA's partitioner splits a gradient that only the split update reads, so ZeRO-1
-compiles to ZeRO-2's program (chapter 12 asserts it)."""
+compiles to ZeRO-2's program (chapter 12 asserts it). Not PP+FSDP+CP+TP unless asked
+(`plan(..., strategies=...)`): the time model prices no cost per micro-batch (launches,
+the lower efficiency of small products), so a context ring inside stages would win at any
+length by cutting a step into many micro-batches of few tokens a device (Llama 3 405B at
+8k tokens: CP 8 in 32 stages, 256 micro-batches of 1,024 tokens a device, 1.23 times as
+fast as Llama 3's layout), which no published run does; Llama 3 used it at 131k only."""
 
 EXPERT_PLANNED = ("EP", "FSDP+EP")
 """The rule sets the planner adds for a mixture of experts."""
@@ -354,14 +359,16 @@ def candidates(
     precision: Precision | None = None,
 ) -> Iterator[tuple[Setup, str]]:
     """Every setup of `rules` the planner tries, and why it cannot run if it cannot: a
-    pipeline on the book's lockstep executor (which rebuilds each stage itself), and on
-    1F1B with each remat policy and `VIRTUAL` stages."""
-    stage = derive(rules, cfg.compute_dtype).stage_axis
+    pipeline on the book's lockstep executor (which rebuilds each stage itself; not with a
+    context ring, which it does not run), and on 1F1B with each remat policy and `VIRTUAL`
+    stages."""
+    stage = next(iter(rules.axes_of("layers")), None)
     runs: tuple[tuple[str, int, bool | str], ...] = tuple(
         ("lockstep", 1, remat) for remat in REMATS
     )
     if stage is not None:
-        runs = (("lockstep", 1, False), *(("1F1B", v, r) for v in VIRTUAL for r in REMATS))
+        lockstep = () if unpriced(rules, 0) else (("lockstep", 1, False),)
+        runs = (*lockstep, *(("1F1B", v, r) for v in VIRTUAL for r in REMATS))
     for mesh in meshes(rules, devices, hw.domain):
         for m in micro_batches(rules, mesh, batch, stage):
             for schedule, virtual, remat in runs:
@@ -439,7 +446,7 @@ def _check(cfg: Config, devices: int, batch: int, seq: int, memory: float) -> No
 def splits_the_sequence(option: Option) -> bool:
     """Whether an option's best setup runs context parallelism: a ring over an axis of more
     than one device that splits every sequence."""
-    axis = derive(option.setup.rules, "float32").ring_axis
+    axis = derive(option.setup.rules, "float32", schedule=option.setup.schedule).ring_axis
     return axis is not None and option.setup.sizes.get(axis, 1) > 1
 
 
