@@ -170,13 +170,12 @@ def test_the_headline_plans_are_what_practitioners_run_and_near_ones_are_tied() 
     assert "fits, tied" in one._repr_markdown_()
 
 
-def test_the_tie_covers_the_models_spread_over_model_sizes() -> None:
+def test_the_tie_is_the_models_spread_between_layouts_of_one_model() -> None:
     from nnxscale.costs import runs
 
-    by_name = {r.name: r for r in runs.runs()}
-    ratios = [by_name[f"MaxText {k}B, 1 x v5e-256"].ratio for k in (16, 32, 64)]
-    spread = max(ratios) / min(ratios)
-    assert 1.05 < spread <= planner.TIE
+    factor, a, b = runs.spread()
+    assert (a.cfg, a.hardware) == (b.cfg, b.hardware) and a.mesh != b.mesh
+    assert factor <= planner.TIE < factor + 0.01
 
 
 def test_a_device_count_no_plan_fits_is_refused_naming_counts_that_work() -> None:
@@ -211,8 +210,9 @@ def test_llama_3_405b_on_16384_h100s_is_planned_as_it_was_trained() -> None:
 def test_asked_for_a_context_ring_in_stages_the_planner_finds_llama_3_at_131k() -> None:
     """Llama 3 405B at 131k tokens on 16,384 H100s: with PP+FSDP+CP+TP offered, the best
     plan runs it, within 1.3 of the published 380 TFLOP/s, and Llama 3's own layout is tied
-    with it. At 8k tokens the same offer wins by more than a tie through 1,024-token
-    micro-batches, which no published run trains with: why `PLANNED` leaves it out."""
+    with it. At 8k tokens the same offer ranks first, 1.2 to 1.25 times as fast as Llama 3's
+    layout, through 1,024-token micro-batches, which no published run trains with: why
+    `PLANNED` leaves it out."""
     offered = (*planner.PLANNED, "PP+FSDP+CP+TP")
     long = LLAMA3_405B.replace(max_len=131_072)
     found = planner.plan(long, 16_384, "H100", global_batch=128, seq=131_072, strategies=offered)
@@ -228,8 +228,8 @@ def test_asked_for_a_context_ring_in_stages_the_planner_finds_llama_3_at_131k() 
     )
     first, second = short.ranked[:2]
     assert (first.strategy, second.strategy) == ("PP+FSDP+CP+TP", "PP+FSDP+TP")
-    assert second.cost.step_time > first.cost.step_time * planner.TIE
-    assert 8192 // first.setup.sizes["context"] <= 1024
+    assert 1.2 < second.cost.step_time / first.cost.step_time < 1.25
+    assert 8192 // first.setup.sizes["context"] == 1024
 
 
 def test_a_context_ring_inside_pipeline_stages_runs_its_stages_share() -> None:

@@ -33,11 +33,12 @@ HEADROOM = TOLERANCE[1]
 """The planner asks that the predicted peak times this fit the device's memory: a plan that
 fits keeps fitting if the compiler holds as much beyond the ledger as it did here."""
 
-TIE = 1.15
+TIE = 1.26
 """Options whose predicted step times lie within this factor of the fastest's are tied: the
-time model predicts published runs that differ only in model size within a spread of 12%
-(MaxText's 16B, 32B and 64B on one v5e slice, `nnxscale.costs.runs`), so a smaller gap
-between two plans is not evidence that one is faster."""
+time model's ratio to what was published differs by up to this factor between two runs of
+one model on one kind of device in two layouts (`nnxscale.costs.runs.spread`: MaxText's
+1024B on 2 x v5p-2048 against 1 x v5p-4096, 1.253), so a smaller gap between two plans is
+not evidence that one is faster."""
 
 PLANNED = (
     "DP",

@@ -497,3 +497,19 @@ def worst(found: list[Run] | None = None) -> tuple[float, Run]:
     factor = {id(r): max(r.ratio, 1 / r.ratio) for r in priced}  # type: ignore[arg-type, operator]
     run = max(priced, key=lambda r: factor[id(r)])
     return factor[id(run)], run
+
+
+def spread(found: list[Run] | None = None) -> tuple[float, Run, Run]:
+    """The largest factor between the model's ratios to published (`Run.ratio`) of two runs
+    of one model on one kind of device, from one source, in two layouts or slice counts, and
+    the two runs: how far apart two plans' predictions may lie before the model's own error
+    stops ranking them (`nnxscale.planner.TIE`)."""
+    priced = [r for r in (runs() if found is None else found) if not r.problem() and not r.misses]
+    pairs = [
+        (max(a.ratio, b.ratio) / min(a.ratio, b.ratio), a, b)  # type: ignore[type-var, operator]
+        for i, a in enumerate(priced)
+        for b in priced[i + 1 :]
+        if (a.hardware, a.source, a.cfg) == (b.hardware, b.source, b.cfg)
+        and (a.rules, a.mesh, a.slice) != (b.rules, b.mesh, b.slice)
+    ]
+    return max(pairs, key=lambda pair: pair[0])
