@@ -437,8 +437,9 @@ CALCULATOR = """(inputs) => {
 
 def calculator_grid() -> list[dict]:
     """Every planned strategy on every device, for three dense models and two mixtures of
-    experts, clusters and setups (each with its remat policies and two micro-batch counts):
-    over 500 inputs, some that cannot run."""
+    experts, clusters and setups (each with its remat policies and two micro-batch counts, a
+    pipeline on the lockstep executor and on 1F1B with one and two virtual stages): over
+    500 inputs, some that cannot run."""
     from nnxscale import configs, costs
     from nnxscale.costs.planner import EXPERT_PLANNED, PLANNED
 
@@ -476,14 +477,16 @@ def calculator_grid() -> list[dict]:
             **cfg, "seq": seq, "batch": batch, "devices": devices, "hardware": hardware,
             "strategy": strategy, "tensor": degrees[0], "stages": degrees[1],
             "context": degrees[2], "replicas": degrees[3], "expert_axis": degrees[4],
-            "micro": micro, "remat": remat,
+            "micro": micro, "remat": remat, "schedule": schedule, "virtual": virtual,
         }
         for cfg, devices, batch, seq, degrees, hardwares in clusters
         for hardware in hardwares
         for strategy in PLANNED + EXPERT_PLANNED
         for micro in (degrees[1], 2 * degrees[1])
         for remat in ("no", "dots", "full")
-        if not (strategy.startswith("PP") and remat != "no")
+        for schedule, virtual in (("lockstep", 1), ("1F1B", 1), ("1F1B", 2))
+        if (schedule == "1F1B") == strategy.startswith("PP")
+        or (schedule, remat) == ("lockstep", "no")
     ]  # fmt: skip
 
 
@@ -514,8 +517,9 @@ def test_the_calculator_computes_what_the_library_computes(browser, site: str) -
         degrees = {k: inputs[k] for k in calculator.DEGREES.values()}
         try:
             setup = calculator.setup_for(
-                STRATEGIES[inputs["strategy"]], inputs["devices"], degrees, inputs["micro"], remat
-            )
+                STRATEGIES[inputs["strategy"]], inputs["devices"], degrees, inputs["micro"], remat,
+                inputs["schedule"], inputs["virtual"],
+            )  # fmt: skip
         except ValueError:
             assert "do not divide" in got["verdict"], inputs
             reasons += 1

@@ -2,7 +2,7 @@
 // every rule set the planner considers, the formulas it derives from that rule set (SPEC);
 // this script evaluates them and repeats only step_cost's arithmetic rules: the moments
 // that can be a step's peak, the link a collective crosses and the lane it shares, what
-// compute hides, and a pipeline's lockstep ticks. A browser test compares its answers with the library's.
+// compute hides, and a pipeline's bubble on its schedule. A browser test compares its answers with the library's.
 (function () {
   "use strict";
 
@@ -46,7 +46,7 @@
   }
 
   // nnxscale.costs.unsuitable (after the mixture's checks)
-  function unsuitable(c, sizes, mesh, batch, seq, micro, layers) {
+  function unsuitable(c, sizes, mesh, batch, seq, micro, layers, virtual) {
     for (const [size, axes] of c.splits) {
       const n = product(axes.map((a) => mesh[a]));
       if (sizes[size] % n && size !== "layers") return `the ${axes.join("x")} axis (${n}) does not divide ${size} (${sizes[size]})`;
@@ -58,14 +58,15 @@
     if (seq % (2 * ring)) return `${seq} tokens do not cut into 2 x ${ring} chunks for the zig-zag ring`;
     const stages = c.stage_axis ? mesh[c.stage_axis] : 1;
     if (micro < stages) return `${stages} stages need at least ${stages} micro-batches (1F1B)`;
-    if (layers < stages) return `${layers} layers do not fill ${stages} stages x 1 virtual stages`;
+    if (virtual > 1 && micro % stages) return `interleaved 1F1B needs micro-batches (${micro}) a multiple of the stages (${stages})`;
+    if (layers < stages * virtual) return `${layers} layers do not fill ${stages} stages x ${virtual} virtual stages`;
     return "";
   }
 
   // nnxscale.costs.memory_phases
   function phases(c, sizes, micro) {
     const f = (name) => evaluate(c[name], sizes);
-    if (c.stage_axis) return { "a backward task": f("activations") + f("rebuilt") + f("gradients") + f("weights") + f("head") };
+    if (c.stage_axis && c.schedule === "lockstep") return { "a backward task": f("activations") + f("rebuilt") + f("gradients") + f("weights") + f("head") };
     const accumulate = micro > 1 ? f("accumulator") : 0;
     const kept = f("activations") + f("weights") + f("head_gradients");
     return {
@@ -147,19 +148,24 @@
   }
 
   // nnxscale.costs.step_cost
-  function stepCost(spec, cfg, strategy, remat, hw, devices, degrees, batch, seq, micro) {
+  function stepCost(spec, cfg, strategy, remat, hw, devices, degrees, batch, seq, micro, schedule = "lockstep", virtual = 1) {
     const mesh = meshFor(spec, strategy, devices, degrees);
     if (!mesh) return { reason: `the degrees do not divide ${devices} devices` };
     const s = spec.strategies[strategy];
     const kind = String(mlpKind(cfg));
     const problem = mixtureProblem(cfg) || (kind in s.mlp ? "" : s.unpriced);
     if (problem) return { reason: problem, mesh };
-    const c = s.mlp[kind][remat in s.mlp[kind] ? remat : Object.keys(s.mlp[kind])[0]];
-    const sizes = Object.assign(modelSizes(spec, cfg, seq), { batch, seq, micro, virtual: 1, interleaved: 0 }, mesh);
-    // nnxscale.costs.counts._padded: the busiest stage's layers, times the stages
+    // nnxscale.calculator.setup_for: a pipeline on its schedule, the others on none
+    const f1b = schedule === "1F1B" && Object.keys(s.one_f_one_b).length > 0;
+    const table = (f1b ? s.one_f_one_b : s.mlp)[kind];
+    const c = table[remat in table ? remat : Object.keys(table)[0]];
+    const v = f1b ? virtual : 1;
+    if (!(Number.isInteger(v) && v >= 1)) return { reason: `virtual=${v}: virtual stages are a positive integer`, mesh };
+    const sizes = Object.assign(modelSizes(spec, cfg, seq), { batch, seq, micro, virtual: v, interleaved: v > 1 ? 1 : 0 }, mesh);
+    // nnxscale.costs.counts._padded: the busiest stage's layers, times the stages and virtual stages
     const stages = c.stage_axis ? mesh[c.stage_axis] : 1;
-    sizes.layers = Math.ceil(cfg.layers / stages) * stages;
-    const reason = unsuitable(c, sizes, mesh, batch, seq, micro, cfg.layers);
+    sizes.layers = Math.ceil(cfg.layers / (stages * v)) * stages * v;
+    const reason = unsuitable(c, sizes, mesh, batch, seq, micro, cfg.layers, v);
     if (reason) return { reason, mesh };
     const memory = {};
     for (const [name, f] of Object.entries(c.state)) memory[name] = evaluate(f, sizes);
@@ -189,11 +195,10 @@
     for (const group of Object.values(links)) exposed += hide(group, window);
     const busiest = Math.max(0, ...Object.values(busy));
     let bubble = 0;
-    if (c.stage_axis) {
+    if (c.stage_axis) { // nnxscale.costs.pipeline_bubble
       const p = mesh[c.stage_axis];
-      const lockstep = (2 * (micro + p - 1) * 0.75 * compute) / micro;
-      bubble = 1 - compute / lockstep;
-      compute = lockstep;
+      bubble = c.schedule === "1F1B" ? (p - 1) / (v * micro + p - 1) : 1 - micro / (1.5 * (micro + p - 1));
+      compute = compute / (1 - bubble);
     }
     const peak = Object.values(memory).reduce((a, b) => a + b, 0);
     const step = compute + exposed;
@@ -221,7 +226,7 @@
       const hw = spec.hardware.find((h) => h.name === form.elements.hardware.value);
       const degrees = {};
       for (const name of Object.values(spec.degrees)) degrees[name] = n(name);
-      const r = stepCost(spec, cfg, form.elements.strategy.value, form.elements.remat.value, hw, n("devices"), degrees, n("batch"), n("seq"), n("micro"));
+      const r = stepCost(spec, cfg, form.elements.strategy.value, form.elements.remat.value, hw, n("devices"), degrees, n("batch"), n("seq"), n("micro"), form.elements.schedule.value, n("virtual"));
       if (r.reason) {
         out.innerHTML = `<p data-field="verdict">cannot run: ${r.reason}</p>`;
         return;

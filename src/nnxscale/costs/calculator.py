@@ -18,7 +18,7 @@ from importlib import resources
 from typing import Any
 
 from nnxscale.costs.arrays import OVERLAPS
-from nnxscale.costs.counts import SEVEN_B, STATE_BYTES, Setup
+from nnxscale.costs.counts import SCHEDULES, SEVEN_B, STATE_BYTES, Setup
 from nnxscale.costs.derive import derive, unpriced
 from nnxscale.costs.hardware import HARDWARE
 from nnxscale.costs.planner import EXPERT_PLANNED, HEADROOM, PLANNED, REMATS
@@ -40,10 +40,20 @@ DEGREES = {
 """The mesh axes whose size the calculator asks for, and the form's name for each."""
 
 
-def setup_for(rules: Rules, devices: int, degrees: dict[str, int], micro: int, remat) -> Setup:
+def setup_for(
+    rules: Rules,
+    devices: int,
+    degrees: dict[str, int],
+    micro: int,
+    remat: bool | str,
+    schedule: str = "lockstep",
+    virtual: int = 1,
+) -> Setup:
     """The setup the calculator prices: the axes named in `DEGREES` of the size asked, the
     rest of the devices on the first other axis the rule set uses (a rule set of one axis
-    takes them all), and the axes it does not use of one device."""
+    takes them all), and the axes it does not use of one device. A pipeline runs on
+    `schedule`, with `virtual` stages on 1F1B; the lockstep executor rebuilds its stages
+    itself, so it takes no remat policy (nor do other rule sets take a schedule)."""
     used = rules.mesh_axes()
     sizes = {a: degrees.get(DEGREES[a], 1) for a in rules.axes if a in DEGREES and a in used}
     if len(rules.axes) == 1:
@@ -58,7 +68,11 @@ def setup_for(rules: Rules, devices: int, degrees: dict[str, int], micro: int, r
             f"a mesh {mesh} for {rules.name} does not use all {devices} devices: choose "
             "degrees whose product divides the device count"
         )
-    return Setup.of(rules, mesh, micro, remat)
+    if not rules.axes_of("layers"):
+        return Setup.of(rules, mesh, micro, remat)
+    if schedule == "lockstep":
+        return Setup.of(rules, mesh, micro, False)
+    return Setup.of(rules, mesh, micro, remat, schedule=schedule, virtual=virtual)
 
 
 MLPS = (0, 1, 2)
@@ -73,19 +87,13 @@ def spec() -> dict[str, Any]:
     strategies = {}
     for name in PLANNED + EXPERT_PLANNED:
         rules = STRATEGIES[name]
-        pipeline = derive(rules, DTYPE).stage_axis is not None
+        pipeline = bool(rules.axes_of("layers"))
         strategies[name] = {
             "axes": list(rules.axes),
             "used": [a for a in rules.axes if a in rules.mesh_axes()],
             "unpriced": unpriced(rules, 1),
-            "mlp": {
-                str(moe): {
-                    _remat_name(r): derive(rules, DTYPE, r, moe).json()
-                    for r in ((False,) if pipeline else REMATS)
-                }
-                for moe in MLPS
-                if not unpriced(rules, moe)
-            },
+            "mlp": _formulas(rules, "lockstep", (False,) if pipeline else REMATS),
+            "one_f_one_b": _formulas(rules, "1F1B", REMATS) if pipeline else {},
         }
     return {
         "hardware": [dataclasses.asdict(hw) for hw in HARDWARE.values()],
@@ -102,6 +110,16 @@ def spec() -> dict[str, Any]:
             str(moe): derive(STRATEGIES["DP"], DTYPE, False, moe).state["parameters"].json()
             for moe in MLPS
         },
+    }
+
+
+def _formulas(rules: Rules, schedule: str, remats: tuple[bool | str, ...]) -> dict[str, object]:
+    """Per kind of MLP the cost model prices for `rules`, and per remat policy, the formulas
+    of a step on `schedule` (a pipeline's; the others ignore it)."""
+    return {
+        str(moe): {_remat_name(r): derive(rules, DTYPE, r, moe, schedule).json() for r in remats}
+        for moe in MLPS
+        if not unpriced(rules, moe)
     }
 
 
@@ -175,6 +193,8 @@ def widget(
         number("expert_axis", "expert axis (EP)", 2),
         number("micro", "micro-batches", micro_batches),
         choice("remat", "remat", ["no", "dots", "full"], remat),
+        choice("schedule", "pipeline schedule", list(SCHEDULES), "lockstep"),
+        number("virtual", "virtual stages (1F1B)", 1),
     ]
     script = resources.files("nnxscale.costs").joinpath("calculator.js").read_text()
     data = json.dumps(spec()).replace("</", "<\\/")

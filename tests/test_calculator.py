@@ -1,0 +1,91 @@
+"""The calculator's Python side (`nnxscale.calculator`) and its script, run in Node.js on the
+browser test's grid: the same numbers without building the book."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+from importlib import resources
+
+import pytest
+from test_browser import SIZES, calculator_grid
+
+from nnxscale import calculator, costs
+from nnxscale.model import Config
+from nnxscale.placement.rules import STRATEGIES
+
+RUN = """
+globalThis.window = {};
+globalThis.document = { querySelectorAll: () => [] };
+%s
+const spec = %s;
+process.stdout.write(JSON.stringify(%s.map((i) => window.nnxscaleCalculator.stepCost(
+  spec, i, i.strategy, i.remat, spec.hardware.find((h) => h.name === i.hardware), i.devices,
+  Object.fromEntries(Object.values(spec.degrees).map((name) => [name, i[name]])),
+  i.batch, i.seq, i.micro, i.schedule, i.virtual))));
+"""
+"""The script's `stepCost` over a list of the grid's inputs, without a page."""
+
+
+def test_a_pipeline_takes_its_schedule_and_other_rule_sets_ignore_it() -> None:
+    degrees = {"tensor": 2, "stages": 2, "context": 2, "replicas": 2, "expert_axis": 2}
+    pp = STRATEGIES["PP+FSDP+TP"]
+    lockstep = calculator.setup_for(pp, 8, degrees, 4, "full", "lockstep", 2)
+    assert (lockstep.schedule, lockstep.virtual, lockstep.remat) == ("lockstep", 1, False)
+    interleaved = calculator.setup_for(pp, 8, degrees, 4, "full", "1F1B", 2)
+    assert (interleaved.schedule, interleaved.virtual, interleaved.remat) == ("1F1B", 2, "full")
+    fsdp = calculator.setup_for(STRATEGIES["FSDP"], 8, degrees, 4, "dots", "1F1B", 2)
+    assert (fsdp.schedule, fsdp.virtual, fsdp.remat) == ("lockstep", 1, "dots")
+    strategies = calculator.spec()["strategies"]
+    assert set(strategies["PP+FSDP+TP"]["one_f_one_b"]["0"]) == {"no", "dots", "full"}
+    assert strategies["FSDP"]["one_f_one_b"] == {}
+
+
+def test_the_script_computes_what_the_library_computes() -> None:
+    """Every fourth input of the browser test's grid, in Node.js: the library's step time,
+    exposed communication, peak and bound (to 1e-9 relative), or its reason."""
+    node = shutil.which("node")
+    if node is None:
+        if os.environ.get("NNXSCALE_REQUIRE_BROWSER") == "1":
+            pytest.fail("Node.js is not installed (.ci/setup installs it)")
+        pytest.skip("Node.js is not installed")
+    grid = calculator_grid()[::4]
+    script = resources.files("nnxscale.costs").joinpath("calculator.js").read_text()
+    source = RUN % (script, json.dumps(calculator.spec()), json.dumps(grid))
+    shown = json.loads(
+        subprocess.run([node], input=source, capture_output=True, text=True, check=True).stdout
+    )
+    priced = 0
+    for inputs, got in zip(grid, shown, strict=True):
+        mixture = {k: inputs[k] for k in ("experts", "top_k", "capacity_factor")}
+        cfg = Config(
+            **{k: inputs[k] for k in SIZES}, **mixture, max_len=inputs["seq"],
+            compute_dtype=calculator.DTYPE, scan_layers=True,
+        )  # fmt: skip
+        remat = {"no": False, "dots": "dots", "full": "full"}[inputs["remat"]]
+        degrees = {k: inputs[k] for k in calculator.DEGREES.values()}
+        try:
+            setup = calculator.setup_for(
+                STRATEGIES[inputs["strategy"]], inputs["devices"], degrees, inputs["micro"], remat,
+                inputs["schedule"], inputs["virtual"],
+            )  # fmt: skip
+        except ValueError:
+            assert "do not divide" in got["reason"], inputs
+            continue
+        reason = costs.unsuitable(cfg, setup, inputs["batch"], inputs["seq"])
+        if reason:
+            assert got["reason"] == reason, inputs
+            continue
+        cost = costs.step_cost(cfg, setup, inputs["hardware"], inputs["batch"], inputs["seq"])
+        priced += 1
+        assert got["bound"] == cost.bound, inputs
+        for field, value in (
+            ("step_time", cost.step_time),
+            ("exposed", cost.exposed),
+            ("peak", cost.peak),
+            ("bubble", cost.bubble),
+        ):
+            assert got[field] == pytest.approx(value, rel=1e-9, abs=1e-12), (field, inputs)
+    assert priced >= 250
