@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from nnxscale import costs, planner
@@ -230,6 +232,18 @@ def test_asked_for_a_context_ring_in_stages_the_planner_finds_llama_3_at_131k() 
     assert (first.strategy, second.strategy) == ("PP+FSDP+CP+TP", "PP+FSDP+TP")
     assert 1.2 < second.cost.step_time / first.cost.step_time < 1.25
     assert 8192 // first.setup.sizes["context"] == 1024
+
+
+def test_the_planner_reduces_once_a_step_where_the_weights_fit_whole() -> None:
+    """A 4-layer Llama 3 8B on 32 H100s, 1,024 sequences: accumulating 32 micro-batches and
+    reducing once a step (DDP's `no_sync`) leaves less exposed than reducing each one, and
+    holds more (the weights gathered whole)."""
+    cfg = costs.SEVEN_B.replace(layers=4)
+    best = planner.plan(cfg, 32, "H100", global_batch=1024, seq=4096).best
+    assert best.setup.reduce_once and best.setup.micro_batches > 1
+    each = dataclasses.replace(best.setup, reduce_once=False)
+    every = costs.step_cost(cfg, each, "H100", 1024, 4096)
+    assert every.exposed > best.cost.exposed and every.peak < best.cost.peak
 
 
 def test_a_context_ring_inside_pipeline_stages_runs_its_stages_share() -> None:

@@ -12,6 +12,7 @@ expert-parallel rule sets.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 from collections.abc import Iterable, Iterator
 
@@ -362,7 +363,8 @@ def candidates(
     """Every setup of `rules` the planner tries, and why it cannot run if it cannot: a
     pipeline on the book's lockstep executor (which rebuilds each stage itself; not with a
     context ring, which it does not run), and on 1F1B with each remat policy and `VIRTUAL`
-    stages."""
+    stages; with micro-batches, gradients reduced once per micro-batch and once a step
+    (`Setup.reduce_once`; a pipeline reduces once already)."""
     stage = next(iter(rules.axes_of("layers")), None)
     runs: tuple[tuple[str, int, bool | str], ...] = tuple(
         ("lockstep", 1, remat) for remat in REMATS
@@ -372,8 +374,9 @@ def candidates(
         runs = (*lockstep, *(("1F1B", v, r) for v in VIRTUAL for r in REMATS))
     for mesh in meshes(rules, devices, hw.domain):
         for m in micro_batches(rules, mesh, batch, stage):
-            for schedule, virtual, remat in runs:
-                setup = Setup.of(rules, mesh, m, remat, precision, schedule, virtual)
+            once = (False, True) if m > 1 and stage is None else (False,)
+            for (schedule, virtual, remat), reduce in itertools.product(runs, once):
+                setup = Setup.of(rules, mesh, m, remat, precision, schedule, virtual, reduce)
                 yield setup, unsuitable(cfg, setup, batch, seq)
 
 
