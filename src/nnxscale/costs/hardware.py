@@ -7,8 +7,8 @@ import dataclasses
 import math
 
 EFFICIENCY = 0.5
-"""The fraction of peak matmul FLOP/s a step's products reach on hardware described without
-one (`Hardware.efficiency`): an assumed model FLOPs utilisation (MFU)."""
+"""The fraction of peak matmul FLOP/s a step's products, recompute included, reach on
+hardware described without one (`Hardware.efficiency`): assumed."""
 
 
 MARGIN = 0.1
@@ -28,9 +28,10 @@ class Hardware:
     switch (NVLink). `hop` and `far_hop` are the seconds each step of a collective costs
     before any byte moves, on each kind of link. `source` is a key of the bibliography.
     `efficiency` is the fraction of peak FLOP/s the step's products (recompute included)
-    reach on it: calibrated on a published run where the cost model expresses one
-    (`nnxscale.costs.runs`), else the model FLOPs utilisation (MFU) a large run published, a
-    lower bound; `efficiency_source` says which. `wrap` is, on a TPU torus, the shortest
+    reach on it (a hardware FLOPs utilisation, HFU): fitted to a published run where the
+    cost model expresses one (`nnxscale.costs.runs`; the fit also absorbs what the model
+    leaves out of that run, so it can exceed the run's own MFU), else the HFU a large run
+    published; `efficiency_source` says which. `wrap` is, on a TPU torus, the shortest
     axis whose ends are joined (wraparound): a shorter one, or one it does not divide, is a
     line, and a ring collective along it gets half the bandwidth (0: every axis is a ring).
     `usable` is the share of `memory` the runtime gives arrays by default (`RUNTIME_SHARE`).
@@ -96,14 +97,15 @@ EFFICIENCIES = {
     "A100": (0.65, "calibrated: Megatron-LM's 1T model on 3,072 A100s (recompute counted)"),
     "H100": (0.85, "calibrated: Llama 3 405B on 8,192 H100s (full remat assumed)"),
     "H200": (0.45, "calibrated: benchmarks/time_model.py's 1B-wide model on one H200"),
-    "B200": (0.85, "assumed: the H100's (no published MFU of a large run found)"),
-    "TPU v4": (0.462, "published MFU: chowdhery2022palm, PaLM 540B on 6,144 TPU v4"),
+    "B200": (0.85, "assumed: the H100's (no published utilisation of a large run found)"),
+    "TPU v4": (0.578, "published HFU: chowdhery2022palm, PaLM 540B on 6,144 TPU v4 (MFU 0.462)"),
     "TPU v5e": (0.77, "calibrated: MaxText 16B on one v5e-256"),
     "TPU v5p": (0.83, "calibrated: MaxText 32B on one v5p-128"),
     "TPU v6e": (0.50, "calibrated: MaxText's Llama 3.1 70B on one v6e-256"),
 }
 """Per device, the efficiency the time model computes at and where it comes from: calibrated
-on a run of `nnxscale.costs.runs`, or a published MFU where the model cannot express a run."""
+on a run of `nnxscale.costs.runs`, or a published HFU (recompute counted) where the model
+cannot express a run."""
 
 GPU_PREALLOCATION = 0.75
 """The share of a GPU's memory JAX preallocates for arrays by default; the environment

@@ -274,9 +274,9 @@ def step_cost(
     """Memory per device at the step's peak, FLOPs, collectives and time of one step of
     `batch` sequences of `seq` tokens (default `cfg.max_len`) under `setup` on `hw`.
 
-    Compute runs at `efficiency` (default the hardware's `Hardware.efficiency`, a published
-    MFU) of peak matmul FLOP/s, plus the bytes elementwise work and
-    the optimizer move through memory at the device's bandwidth. Each collective costs a
+    Compute runs at `efficiency` (default `Hardware.efficiency`: fitted to a published run,
+    or a published HFU) of peak matmul FLOP/s, plus the bytes elementwise work and the
+    optimizer move through memory at the device's bandwidth. Each collective costs a
     latency per ring step and its bytes over the link its axes cross (`link`); what compute
     can hide it behind depends on the step's dependencies (`OVERLAPS`), and collectives on
     one link add up before they hide (`hide`). A pipeline's compute is stretched by its
