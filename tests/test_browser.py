@@ -493,12 +493,41 @@ def calculator_grid() -> list[dict]:
 SIZES = ("vocab", "embed", "heads", "kv_heads", "head_dim", "mlp", "layers")
 
 
-def test_the_calculator_computes_what_the_library_computes(browser, site: str) -> None:
-    """The page's calculator, driven through its form over the grid, gives the library's
-    numbers (memory by part, peak, bytes, FLOPs, times, to 1e-9 relative) or its reason."""
+def library_answer(inputs: dict) -> tuple[str, object]:
+    """What the library says of one input of the grid: ("mesh", message) where the degrees do
+    not divide the devices, ("reason", why) where the setup cannot run, else ("cost", (the
+    model's `Config`, its `StepCost`))."""
     from nnxscale import calculator, costs
     from nnxscale.model import Config
     from nnxscale.placement.rules import STRATEGIES
+
+    mixture = {k: inputs[k] for k in ("experts", "top_k", "capacity_factor")}
+    cfg = Config(
+        **{k: inputs[k] for k in SIZES}, **mixture, max_len=inputs["seq"],
+        compute_dtype=calculator.DTYPE, scan_layers=True,
+    )  # fmt: skip
+    remat = {"no": False, "dots": "dots", "full": "full"}[inputs["remat"]]
+    degrees = {k: inputs[k] for k in calculator.DEGREES.values()}
+    try:
+        setup = calculator.setup_for(
+            STRATEGIES[inputs["strategy"]], inputs["devices"], degrees, inputs["micro"], remat,
+            inputs["schedule"], inputs["virtual"],
+        )  # fmt: skip
+    except ValueError as error:
+        return "mesh", str(error)
+    reason = costs.unsuitable(cfg, setup, inputs["batch"], inputs["seq"])
+    if reason:
+        return "reason", reason
+    return "cost", (
+        cfg,
+        costs.step_cost(cfg, setup, inputs["hardware"], inputs["batch"], inputs["seq"]),
+    )
+
+
+def test_the_calculator_computes_what_the_library_computes(browser, site: str) -> None:
+    """The page's calculator, driven through its form over the grid, gives the library's
+    numbers (memory by part, peak, bytes, FLOPs, times, to 1e-9 relative) or its reason."""
+    from nnxscale import costs
 
     page, problems = open_page(browser, f"{site}/chapters/12_choosing_a_strategy.html")
     grid = calculator_grid()
@@ -508,28 +537,16 @@ def test_the_calculator_computes_what_the_library_computes(browser, site: str) -
     assert len(grid) >= 500
     reasons = 0
     for inputs, got in zip(grid, shown, strict=True):
-        mixture = {k: inputs[k] for k in ("experts", "top_k", "capacity_factor")}
-        cfg = Config(
-            **{k: inputs[k] for k in SIZES}, **mixture, max_len=inputs["seq"],
-            compute_dtype=calculator.DTYPE, scan_layers=True,
-        )  # fmt: skip
-        remat = {"no": False, "dots": "dots", "full": "full"}[inputs["remat"]]
-        degrees = {k: inputs[k] for k in calculator.DEGREES.values()}
-        try:
-            setup = calculator.setup_for(
-                STRATEGIES[inputs["strategy"]], inputs["devices"], degrees, inputs["micro"], remat,
-                inputs["schedule"], inputs["virtual"],
-            )  # fmt: skip
-        except ValueError:
+        kind, answer = library_answer(inputs)
+        if kind == "mesh":
             assert "do not divide" in got["verdict"], inputs
             reasons += 1
             continue
-        reason = costs.unsuitable(cfg, setup, inputs["batch"], inputs["seq"])
-        if reason:
-            assert got == {"verdict": f"cannot run: {reason}"}, inputs
+        if kind == "reason":
+            assert got == {"verdict": f"cannot run: {answer}"}, inputs
             reasons += 1
             continue
-        cost = costs.step_cost(cfg, setup, inputs["hardware"], inputs["batch"], inputs["seq"])
+        cfg, cost = answer
         expected = {
             "parameter count": costs.counts(cfg).total,
             **cost.memory,
