@@ -495,8 +495,8 @@ SIZES = ("vocab", "embed", "heads", "kv_heads", "head_dim", "mlp", "layers")
 
 def library_answer(inputs: dict) -> tuple[str, object]:
     """What the library says of one input of the grid: ("mesh", message) where the degrees do
-    not divide the devices, ("reason", why) where the setup cannot run, else ("cost", (the
-    model's `Config`, its `StepCost`))."""
+    not divide the devices, ("reason", why) where the setup cannot run (virtual stages it
+    cannot have among them), else ("cost", (the model's `Config`, its `StepCost`))."""
     from nnxscale import calculator, costs
     from nnxscale.model import Config
     from nnxscale.placement.rules import STRATEGIES
@@ -514,7 +514,7 @@ def library_answer(inputs: dict) -> tuple[str, object]:
             inputs["schedule"], inputs["virtual"],
         )  # fmt: skip
     except ValueError as error:
-        return "mesh", str(error)
+        return ("reason" if "virtual=" in str(error) else "mesh"), str(error)
     reason = costs.unsuitable(cfg, setup, inputs["batch"], inputs["seq"])
     if reason:
         return "reason", reason

@@ -43,14 +43,17 @@ def test_a_pipeline_takes_its_schedule_and_other_rule_sets_ignore_it() -> None:
 
 
 def test_the_script_computes_what_the_library_computes() -> None:
-    """Every fourth input of the browser test's grid, in Node.js: the library's step time,
-    exposed communication, peak and bound (to 1e-9 relative), or its reason."""
+    """Every fourth input of the browser test's grid, and a pipeline with no virtual stage,
+    in Node.js: the library's step time, exposed communication, peak and bound (to 1e-9
+    relative), or its reason."""
     node = shutil.which("node")
     if node is None:
         if os.environ.get("NNXSCALE_REQUIRE_BROWSER") == "1":
             pytest.fail("Node.js is not installed (.ci/setup installs it)")
         pytest.skip("Node.js is not installed")
     grid = calculator_grid()[::4]
+    staged = next(i for i in grid if i["schedule"] == "1F1B" and library_answer(i)[0] != "mesh")
+    grid.append({**staged, "virtual": 0})  # refused, with the library's words
     script = resources.files("nnxscale.costs").joinpath("calculator.js").read_text()
     source = RUN % (script, json.dumps(calculator.spec()), json.dumps(grid))
     shown = json.loads(

@@ -370,8 +370,9 @@ def test_overlap_follows_the_steps_dependencies() -> None:
 
 def test_each_axis_of_a_torus_has_its_own_links() -> None:
     """On a TPU torus, collectives over disjoint mesh axes travel on different links and run
-    side by side; those sharing an axis, directly or through a third, share its links; a
-    switch's fast links (NVLink) and the slow network are one lane each."""
+    side by side; those sharing an axis, directly or through a third, share its links; more
+    groups of axes than the torus has dimensions share one lane; a switch's fast links
+    (NVLink) and the slow network are one lane each."""
     found = costs.lanes(
         [
             (("data",), "fast"),
@@ -382,16 +383,24 @@ def test_each_axis_of_a_torus_has_its_own_links() -> None:
         torus=True,
     )
     assert found == ["fast: data x replica", "fast: model", "fast: data x replica", "slow"]
+    bridged = costs.lanes([(("a",), "fast"), (("b",), "fast"), (("a", "b"), "fast")], True)
+    assert bridged == ["fast: a x b"] * 3
+    three = [(("a",), "fast"), (("b",), "fast"), (("c",), "fast")]
+    assert costs.lanes(three, True, dimensions=2) == ["fast"] * 3
+    assert len(set(costs.lanes(three, True, dimensions=3))) == 3
     assert costs.lanes([(("data",), "fast"), (("model",), "fast")], torus=False) == ["fast"] * 2
-    # HSDP+TP on one v5p slice: on the torus the TP all-reduces, the replica all-reduce and
-    # FSDP's gathers each have their own lane; through a switch they would add up
-    setup = costs.Setup.of(STRATEGIES["HSDP+TP"], {"replica": 4, "data": 16, "model": 4}, 1, "full")
+    # HSDP+TP on a 4 x 4 x 8 v5p slice: on the torus the TP all-reduces, the replica
+    # all-reduce and FSDP's gathers each have their own lane; through a switch, or on a
+    # v5e's two dimensions, they add up
+    setup = costs.Setup.of(STRATEGIES["HSDP+TP"], {"replica": 4, "data": 8, "model": 4}, 1, "full")
     v5p = costs.HARDWARE["TPU v5p"]
-    torus = costs.step_cost(costs.SEVEN_B, setup, v5p, 32, 4096)
-    switch = costs.step_cost(costs.SEVEN_B, setup, v5p.replace(ring=False), 32, 4096)
+    torus = costs.step_cost(costs.SEVEN_B, setup, v5p, 16, 4096)
+    switch = costs.step_cost(costs.SEVEN_B, setup, v5p.replace(ring=False), 16, 4096)
     assert {c.lane for c in torus.collectives} == {"fast: data", "fast: model", "fast: replica"}
     assert {c.lane for c in switch.collectives} == {"fast"}
     assert torus.comm_time == switch.comm_time and torus.exposed < switch.exposed
+    flat = costs.step_cost(costs.SEVEN_B, setup, v5p.replace(dimensions=2), 16, 4096)
+    assert {c.lane for c in flat.collectives} == {"fast"} and flat.exposed == switch.exposed
 
 
 def test_collectives_on_one_link_add_up_before_they_hide() -> None:
@@ -433,14 +442,14 @@ def test_zeros_gather_of_updated_parameters_is_exposed_whole() -> None:
     assert update.exposed == update.seconds > 0
 
 
-def test_each_device_computes_at_its_published_efficiency() -> None:
+def test_each_device_computes_at_its_stated_efficiency() -> None:
     setup = costs.Setup.of(STRATEGIES["DP"], {"data": 1})
     for hw in costs.HARDWARE.values():
         assert 0.3 <= hw.efficiency <= 0.9 and hw.efficiency_source
         assumed = costs.step_cost(PLAIN, setup, hw, 8, 128, efficiency=hw.efficiency)
         assert costs.step_cost(PLAIN, setup, hw, 8, 128) == assumed
     with pytest.raises(
-        ValueError, match=r"efficiency=1.5: .* \(0, 1\]; leave it out .* \(85%, calibrated"
+        ValueError, match=r"efficiency=1.5: .* \(0, 1\]; leave it out .* \(80%, calibrated"
     ):
         costs.step_cost(PLAIN, setup, H100, 8, 128, efficiency=1.5)
 
@@ -505,7 +514,8 @@ def test_what_cannot_run_is_named(name, mesh, batch, seq, reason) -> None:
 def test_nonsense_hardware_is_refused_naming_each_number() -> None:
     good = dataclasses.asdict(H100)
     for field, value in [("flops", -1.0), ("hbm", 0.0), ("slow", math.nan), ("memory", -80e9),
-                         ("efficiency", 0.0), ("efficiency", 1e9), ("domain", 0)]:  # fmt: skip
+                         ("efficiency", 0.0), ("efficiency", 1e9), ("domain", 0),
+                         ("dimensions", -1)]:  # fmt: skip
         with pytest.raises(ValueError, match=rf"has {field}={value!r}.*positive finite"):
             costs.Hardware(**{**good, field: value})
 

@@ -177,7 +177,10 @@ def test_the_tie_is_the_models_spread_between_layouts_of_one_model() -> None:
 
     factor, a, b = runs.spread()
     assert (a.cfg, a.hardware) == (b.cfg, b.hardware) and a.mesh != b.mesh
+    assert {a.name, b.name} == {"MaxText 1024B, 1 x v5p-2048", "MaxText 1024B, 1 x v5p-4096"}
     assert factor <= planner.TIE < factor + 0.01
+    with pytest.raises(ValueError, match="no two runs of one model in two layouts"):
+        runs.spread([a])
 
 
 def test_a_device_count_no_plan_fits_is_refused_naming_counts_that_work() -> None:
@@ -272,10 +275,13 @@ def test_a_context_ring_inside_pipeline_stages_runs_its_stages_share() -> None:
     # L / p layers' inputs for p + (p - 1) / v micro-batches in flight, in bfloat16, of one
     # sequence per micro-batch and device, split over context x model
     assert kept == 32 / 4 * (4 + 3 / 2) * 1 * seq / (4 * 2) * cfg.embed * 2
+    (handed,) = [c for c in steps["PP+FSDP+CP+TP"].collectives if c.transfer.axes == ("stage",)]
+    assert handed.array_bytes == 1 * seq / (4 * 2) * cfg.embed * 2  # split as SP splits it
     lockstep = costs.Setup.of(staged, {"stage": 4, "fsdp": 2, **inner}, 8, "full")
     assert "schedule='1F1B'" in costs.unsuitable(cfg, lockstep, batch, seq)
     with pytest.raises(ValueError, match="lockstep executor does not"):
         costs.step_cost(cfg, lockstep, "H100", batch, seq)
+    assert "for a mixture of experts" in costs.unpriced(staged, 1)  # not "use 1F1B"
 
 
 def test_a_pipeline_is_priced_by_its_schedule() -> None:

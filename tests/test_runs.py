@@ -86,6 +86,6 @@ def test_tp_inside_pipeline_stages_reproduces_llama_3_and_megatron() -> None:
     assert 1 / runs.WORST <= llama.ratio <= runs.WORST
     long = table["Llama 3.1 405B, 16,384 H100s, 131k"]  # and a context ring of 16 in stages
     assert not long.problem() and long.setup().rules.name == "PP+FSDP+CP+TP"
-    assert 1 / runs.WORST <= long.ratio <= runs.WORST
+    assert abs(long.ratio - 1) < 0.1
     megatron = table["Megatron-LM 1T, 3,072 A100s"]
     assert megatron.calibrates and abs(megatron.ratio - 1) < 0.01

@@ -2,7 +2,8 @@
 // every rule set the planner considers, the formulas it derives from that rule set (SPEC);
 // this script evaluates them and repeats only step_cost's arithmetic rules: the moments
 // that can be a step's peak, the link a collective crosses and the lane it shares, what
-// compute hides, and a pipeline's bubble on its schedule. A browser test compares its answers with the library's.
+// compute hides, and a pipeline's bubble on its schedule. A browser test compares its
+// answers with the library's.
 (function () {
   "use strict";
 
@@ -119,8 +120,9 @@
     return sizes;
   }
 
-  // nnxscale.costs.lanes: the lane of each [axes, where]; on a torus each axis has its own links
-  function lanes(collectives, torus) {
+  // nnxscale.costs.lanes: the lane of each [axes, where]; on a torus each axis has its own
+  // links, unless there are more groups of axes than the torus has dimensions
+  function lanes(collectives, torus, dimensions) {
     let groups = [];
     const onTorus = (where) => torus && where === "fast";
     for (const [axes, where] of collectives) {
@@ -130,14 +132,15 @@
       for (const g of groups.filter(meets)) for (const a of g) joined.add(a);
       groups = groups.filter((g) => ![...g].some((a) => joined.has(a))).concat([joined]);
     }
+    const crowded = dimensions > 0 && groups.length > dimensions;
     return collectives.map(([axes, where]) => {
-      if (!onTorus(where)) return where;
+      if (!onTorus(where) || crowded) return where;
       const group = groups.find((g) => axes.some((a) => g.has(a)));
       return "fast: " + [...group].sort().join(" x ");
     });
   }
 
-  // nnxscale.costs.hide: the collectives on one link that compute can hide, [seconds, overlap, pieces] each
+  // nnxscale.costs.hide: the collectives of one lane that compute can hide, [seconds, overlap, pieces] each
   function hide(group, window) {
     const sum = (k) => group.filter(([, o]) => o === k).reduce((a, [s]) => a + s, 0);
     const total = group.reduce((a, [s]) => a + s, 0);
@@ -152,15 +155,18 @@
     const mesh = meshFor(spec, strategy, devices, degrees);
     if (!mesh) return { reason: `the degrees do not divide ${devices} devices` };
     const s = spec.strategies[strategy];
-    const kind = String(mlpKind(cfg));
-    const problem = mixtureProblem(cfg) || (kind in s.mlp ? "" : s.unpriced);
-    if (problem) return { reason: problem, mesh };
     // nnxscale.calculator.setup_for: a pipeline on its schedule, the others on none
     const f1b = schedule === "1F1B" && Object.keys(s.one_f_one_b).length > 0;
-    const table = (f1b ? s.one_f_one_b : s.mlp)[kind];
-    const c = table[remat in table ? remat : Object.keys(table)[0]];
     const v = f1b ? virtual : 1;
-    if (!(Number.isInteger(v) && v >= 1)) return { reason: `virtual=${v}: virtual stages are a positive integer`, mesh };
+    if (!(Number.isInteger(v) && v >= 1)) {
+      return { reason: `virtual=${v}: virtual stages are a positive integer, more than one only for the 1F1B schedule (interleaved 1F1B)`, mesh };
+    }
+    const kind = String(mlpKind(cfg));
+    const tables = f1b ? s.one_f_one_b : s.mlp;
+    const problem = mixtureProblem(cfg) || (kind in tables ? "" : s.unpriced);
+    if (problem) return { reason: problem, mesh };
+    const table = tables[kind];
+    const c = table[remat in table ? remat : Object.keys(table)[0]];
     const sizes = Object.assign(modelSizes(spec, cfg, seq), { batch, seq, micro, virtual: v, interleaved: v > 1 ? 1 : 0 }, mesh);
     // nnxscale.costs.counts._padded: the busiest stage's layers, times the stages and virtual stages
     const stages = c.stage_axis ? mesh[c.stage_axis] : 1;
@@ -180,7 +186,7 @@
     let sent = 0, seconds = 0, exposed = 0;
     const crossing = c.transfers.filter((t) => product(t.axes.map((a) => mesh[a])) > 1);
     const where = crossing.map((t) => [t.axes, within(t.axes, mesh, hw) ? "fast" : "slow"]);
-    const lane = lanes(where, hw.ring);
+    const lane = lanes(where, hw.ring, hw.dimensions);
     const links = {}, busy = {};
     crossing.forEach((t, i) => {
       const n = product(t.axes.map((a) => mesh[a]));

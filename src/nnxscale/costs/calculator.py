@@ -119,7 +119,7 @@ def _formulas(rules: Rules, schedule: str, remats: tuple[bool | str, ...]) -> di
     return {
         str(moe): {_remat_name(r): derive(rules, DTYPE, r, moe, schedule).json() for r in remats}
         for moe in MLPS
-        if not unpriced(rules, moe)
+        if not unpriced(rules, moe, schedule)
     }
 
 

@@ -165,7 +165,7 @@ def unpriced(rules: Rules, moe: int, schedule: str = "lockstep") -> str:
     steps were checked against is data, FSDP and expert parallelism); for a context ring
     inside pipeline stages, the lockstep executor (`nnxscale.pipeline` runs no ring)."""
     staged = _tensor_stage(arrays_of(rules, bool(moe))) is not None
-    if schedule == "lockstep" and staged and context_axis(rules) is not None:
+    if not moe and schedule == "lockstep" and staged and context_axis(rules) is not None:
         return (
             f"rule set {rules.name!r} runs a context ring inside pipeline stages, which the "
             "book's lockstep executor does not: price it with schedule='1F1B'"
@@ -400,7 +400,8 @@ def _one_f_one_b(
     its stage's weights and gradients whole in float32 (gathered once per step over an
     inner FSDP axis and reduce-scattered once, as Llama 3's FSDP inside stages), runs TP's
     all-reduces and a context ring's hops for its own layers in each of its passes, and
-    hands an activation forward and a gradient back at each virtual stage."""
+    hands an activation forward and a gradient back at each virtual stage, split as
+    sequence parallelism splits them (Megatron-LM's scatter/gather of hand-overs)."""
     state, head_gradients, splits = held
     width = DTYPE_BYTES[compute_dtype]
     tokens = set(rules.token_axes(rules.axes))
@@ -410,8 +411,9 @@ def _one_f_one_b(
     k = kept(compute_dtype, policy or False, ring=ring is not None)
     blocks = _local(k.local, rules) if ring else Formula()
     layer = per_micro_batch(split_by(k.layer, rules) + _layer_terms(blocks) / "layers")
-    if policy == "full":  # the layer's input: the residual stream, split by Megatron's SP
-        layer = layer.per(a for a in rules.axes_of("residual_length") if a != ring)
+    residual = [a for a in rules.axes_of("residual_length") if a != ring]  # Megatron's SP
+    if policy == "full":  # the layer's input: the residual stream, split by SP
+        layer = layer.per(residual)
     in_flight = Formula.of(stage) + (Formula.of(stage) - 1) * "interleaved" / "virtual"
     model = split_by(k.model, rules) + blocks - _layer_terms(blocks)
     activations = (layer * "layers").per([stage]) * in_flight + per_micro_batch(model)
@@ -424,6 +426,7 @@ def _one_f_one_b(
     )
     transfers += _in_stages(moved, stage)
     micro = per_micro_batch(split_by(Formula.product(["batch", "seq", "embed"], width), rules))
+    micro = micro.per(residual)  # sent split as sequence parallelism splits it (Megatron-LM)
     sends = Formula.of("micro") * "virtual" * 2
     transfers.append(
         Transfer("collective-permute", (stage,), micro, sends, sends, "blocking", HAND_OVERS)

@@ -31,10 +31,14 @@ class Hardware:
     reach on it (a hardware FLOPs utilisation, HFU): fitted to a published run where the
     cost model expresses one (`nnxscale.costs.runs`; the fit also absorbs what the model
     leaves out of that run, so it can exceed the run's own MFU), else the HFU a large run
-    published; `efficiency_source` says which. `wrap` is, on a TPU torus, the shortest
+    published, a lower bound (the HFU counts the whole step's time, which the model prices
+    apart); `efficiency_source` says which. `wrap` is, on a TPU torus, the shortest
     axis whose ends are joined (wraparound): a shorter one, or one it does not divide, is a
     line, and a ring collective along it gets half the bandwidth (0: every axis is a ring).
     `usable` is the share of `memory` the runtime gives arrays by default (`RUNTIME_SHARE`).
+    `dimensions` is, on a torus, how many it has (`TORUS`): at most that many mesh axes can
+    each lie along torus dimensions of their own, with links no other axis uses (0: any
+    number).
     """
 
     name: str
@@ -52,6 +56,7 @@ class Hardware:
     efficiency_source: str = "assumed"
     wrap: int = 0
     usable: float = 1.0
+    dimensions: int = 0
 
     def replace(self, **changes: object) -> Hardware:
         """This hardware with some numbers changed (checked as a new description is)."""
@@ -60,7 +65,8 @@ class Hardware:
     def __post_init__(self) -> None:
         """Refuse a description the time model would turn into nonsense: every rate a
         positive finite number, memory and latencies finite and not negative (memory 0: not
-        known, so a fit check needs it given), an efficiency and a usable share in (0, 1]."""
+        known, so a fit check needs it given), an efficiency and a usable share in (0, 1], a
+        torus's dimensions a whole number."""
         rates = ("flops", "hbm", "fast", "slow", "domain")
         bad = [f"{k}={getattr(self, k)!r}" for k in rates if not 0 < getattr(self, k) < math.inf]
         bad += [
@@ -73,11 +79,14 @@ class Hardware:
             for k in ("efficiency", "usable")
             if not 0 < getattr(self, k) <= 1
         ]
+        if not (isinstance(self.dimensions, int) and self.dimensions >= 0):
+            bad.append(f"dimensions={self.dimensions!r}")
         if bad:
             raise ValueError(
                 f"hardware {self.name!r} has {', '.join(bad)}: rates, sizes and latencies must "
                 "be positive finite numbers (bytes, bytes per second, FLOP/s, seconds), and the "
-                "efficiency and the usable share fractions in (0, 1], such as 0.4"
+                "efficiency and the usable share fractions in (0, 1], such as 0.4, and a torus's "
+                "dimensions a whole number (0: any number)"
             )
 
 
@@ -94,18 +103,18 @@ _DATASHEETS = (
 )
 
 EFFICIENCIES = {
-    "A100": (0.65, "calibrated: Megatron-LM's 1T model on 3,072 A100s (recompute counted)"),
-    "H100": (0.85, "calibrated: Llama 3 405B on 8,192 H100s (full remat assumed)"),
+    "A100": (0.62, "calibrated: Megatron-LM's 1T model on 3,072 A100s (recompute counted)"),
+    "H100": (0.80, "calibrated: Llama 3 405B on 8,192 H100s (full remat assumed)"),
     "H200": (0.45, "calibrated: benchmarks/time_model.py's 1B-wide model on one H200"),
-    "B200": (0.85, "assumed: the H100's (no published utilisation of a large run found)"),
+    "B200": (0.80, "assumed: the H100's (no published utilisation of a large run found)"),
     "TPU v4": (0.578, "published HFU: chowdhery2022palm, PaLM 540B on 6,144 TPU v4 (MFU 0.462)"),
     "TPU v5e": (0.77, "calibrated: MaxText 16B on one v5e-256"),
     "TPU v5p": (0.83, "calibrated: MaxText 32B on one v5p-128"),
     "TPU v6e": (0.50, "calibrated: MaxText's Llama 3.1 70B on one v6e-256"),
 }
 """Per device, the efficiency the time model computes at and where it comes from: calibrated
-on a run of `nnxscale.costs.runs`, or a published HFU (recompute counted) where the model
-cannot express a run."""
+on a run of `nnxscale.costs.runs`, or a published HFU (recompute counted, a lower bound)
+where the model cannot express a run."""
 
 GPU_PREALLOCATION = 0.75
 """The share of a GPU's memory JAX preallocates for arrays by default; the environment
@@ -125,10 +134,18 @@ WRAPAROUND = {"TPU v4": 4, "TPU v5e": 16, "TPU v5p": 4, "TPU v6e": 16}
 """Per TPU, the shortest axis whose ends its ICI joins: a v4 or v5p cube's side, the whole
 side of a v5e or v6e pod (the scaling book)."""
 
+TORUS = {"TPU v4": 3, "TPU v5e": 2, "TPU v5p": 3, "TPU v6e": 2}
+"""Per TPU, the dimensions of its ICI torus: 3D on v4 and v5p, 2D on v5e and v6e (the
+scaling book)."""
+
 
 HARDWARE = {
     row[0]: Hardware(
-        *row, *EFFICIENCIES[row[0]], WRAPAROUND.get(row[0], 0), RUNTIME_SHARE.get(row[0], 1.0)
+        *row,
+        *EFFICIENCIES[row[0]],
+        WRAPAROUND.get(row[0], 0),
+        RUNTIME_SHARE.get(row[0], 1.0),
+        TORUS.get(row[0], 0),
     )
     for row in _DATASHEETS
 }

@@ -34,11 +34,11 @@ HEADROOM = TOLERANCE[1]
 """The planner asks that the predicted peak times this fit the device's memory: a plan that
 fits keeps fitting if the compiler holds as much beyond the ledger as it did here."""
 
-TIE = 1.26
+TIE = 1.17
 """Options whose predicted step times lie within this factor of the fastest's are tied: the
 time model's ratio to what was published differs by up to this factor between two runs of
 one model on one kind of device in two layouts (`nnxscale.costs.runs.spread`: MaxText's
-1024B on 2 x v5p-2048 against 1 x v5p-4096, 1.253), so a smaller gap between two plans is
+1024B on one v5p-2048 against one v5p-4096, 1.169), so a smaller gap between two plans is
 not evidence that one is faster."""
 
 PLANNED = (
@@ -57,11 +57,12 @@ PLANNED = (
 """The rule sets the planner considers for a dense model (their names in `STRATEGIES`). Not
 ZeRO-1: XLA's partitioner splits a gradient that only the split update reads, so ZeRO-1
 compiles to ZeRO-2's program (chapter 12 asserts it). Not PP+FSDP+CP+TP unless asked
-(`plan(..., strategies=...)`): the time model prices no cost per micro-batch (launches,
-the lower efficiency of small products), so a context ring inside stages would win at any
-length by cutting a step into many micro-batches of few tokens a device (Llama 3 405B at
-8k tokens: CP 8 in 32 stages, 256 micro-batches of 1,024 tokens a device, 1.23 times as
-fast as Llama 3's layout), which no published run does; Llama 3 used it at 131k only."""
+(`plan(..., strategies=...)`): the time model prices no overhead per micro-batch beyond each
+collective's latency, nor the lower efficiency of small products, so a context ring inside
+stages would cut a step into many small micro-batches to shrink the pipeline's bubble
+(Llama 3 405B at 8k tokens: CP 8 in 32 stages, 256 micro-batches of 1,024 tokens a device,
+1.2 to 1.25 times as fast as Llama 3's layout), which no published run at that length does;
+Llama 3 used it at 131k tokens only."""
 
 EXPERT_PLANNED = ("EP", "FSDP+EP")
 """The rule sets the planner adds for a mixture of experts."""

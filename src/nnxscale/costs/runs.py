@@ -294,8 +294,9 @@ _LLAMA3_405B = {
 }
 """Llama 3 405B: 16 stages of Megatron-style interleaved 1F1B (section 3.3.2; its virtual
 stages and its recompute the paper does not give: 2, and full remat, the least memory, are
-assumed), FSDP and TP 8 with sequence parallelism inside each stage (at 131k tokens a
-context ring of 16 as well), and one sequence per micro-batch."""
+assumed), FSDP and TP 8 with sequence parallelism inside each stage (at 131k tokens
+context parallelism of 16 as well, priced as the book's ring where Llama 3 all-gathers keys
+and values), and one sequence per micro-batch."""
 _TFLOPS = {"quantity": "TFLOP/s per device"}
 
 MEGATRON_1T = Config(
@@ -501,15 +502,28 @@ def worst(found: list[Run] | None = None) -> tuple[float, Run]:
 
 def spread(found: list[Run] | None = None) -> tuple[float, Run, Run]:
     """The largest factor between the model's ratios to published (`Run.ratio`) of two runs
-    of one model on one kind of device, from one source, in two layouts or slice counts, and
-    the two runs: how far apart two plans' predictions may lie before the model's own error
-    stops ranking them (`nnxscale.planner.TIE`)."""
-    priced = [r for r in (runs() if found is None else found) if not r.problem() and not r.misses]
+    of one model on one kind of device, from one source, in two layouts, and the two runs:
+    how far apart two plans' predictions may lie before the model's own error stops ranking
+    them (`nnxscale.planner.TIE`). Runs across slices are left out: their decline with the
+    slice count is a miss of the model's own (chapter 12), not noise between layouts."""
+    priced = [
+        r
+        for r in (runs() if found is None else found)
+        if not r.problem() and not r.misses and not (r.slice and r.devices > r.slice)
+    ]
+    ratios: dict[int, float] = {id(r): r.ratio for r in priced}  # type: ignore[misc]
+
+    def apart(a: Run, b: Run) -> float:
+        low, high = sorted((ratios[id(a)], ratios[id(b)]))
+        return high / low
+
     pairs = [
-        (max(a.ratio, b.ratio) / min(a.ratio, b.ratio), a, b)  # type: ignore[type-var, operator]
+        (apart(a, b), a, b)
         for i, a in enumerate(priced)
         for b in priced[i + 1 :]
         if (a.hardware, a.source, a.cfg) == (b.hardware, b.source, b.cfg)
-        and (a.rules, a.mesh, a.slice) != (b.rules, b.mesh, b.slice)
+        and (a.rules, a.mesh) != (b.rules, b.mesh)
     ]
+    if not pairs:
+        raise ValueError("no two runs of one model in two layouts to measure the spread on")
     return max(pairs, key=lambda pair: pair[0])

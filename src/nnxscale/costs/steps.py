@@ -21,8 +21,8 @@ from nnxscale.parallelism.schedules import bubble_formula
 @dataclasses.dataclass(frozen=True)
 class Collective:
     """A group of collectives of one step, evaluated: bytes sent per device, seconds it takes
-    on the link its axes cross, and its share of the seconds compute leaves exposed on that
-    link."""
+    on the link its axes cross, and its share of the seconds compute leaves exposed in its
+    lane (`lanes`)."""
 
     transfer: Transfer
     group: int
@@ -32,7 +32,7 @@ class Collective:
     exposed: float
     link: str
     """The link it crosses: `fast` inside a fast domain, `slow` across domains."""
-    lane: str = ""
+    lane: str
     """The links it shares with other collectives (`lanes`): what adds up before compute
     hides any of it."""
 
@@ -80,8 +80,8 @@ class StepCost:
 
     @property
     def bound(self) -> str:
-        """What sets the step time: compute, or communication, when a link is busy longer
-        than the step computes, so that compute cannot hide its collectives (`crossover`)."""
+        """What sets the step time: compute, or communication, when a lane (`lanes`) is busy
+        longer than the step computes, so that compute cannot hide its collectives (`crossover`)."""
         busiest = max(
             (
                 sum(c.seconds for c in self.collectives if c.lane == lane)
@@ -182,12 +182,12 @@ HIDDEN = ("gather", "reduce", "ring")
 def hide(
     seconds: list[float], overlap: list[str], pieces: list[float], window: Mapping[str, float]
 ) -> float:
-    """Seconds that compute leaves exposed of the collectives sharing one link that it can
-    hide (`seconds`, each of a class in `HIDDEN`, launched in `pieces`). One link carries
-    one transfer at a time, so they add up before anything hides: together they must fit in
-    the whole step's compute, the reductions in the backward pass, the ring's hops in the
-    attention (`window`). What does not fit is exposed, and so is each group's first piece,
-    which nothing precedes."""
+    """Seconds that compute leaves exposed of the collectives of one lane (`lanes`) that it
+    can hide (`seconds`, each of a class in `HIDDEN`, launched in `pieces`). They share the
+    lane's links and their bandwidth, so they add up before anything hides: together they
+    must fit in the whole step's compute, the reductions in the backward pass, the ring's
+    hops in the attention (`window`). What does not fit is exposed, and so is each group's
+    first piece, which nothing precedes."""
     total = sum(seconds)
     if not total:
         return 0.0
@@ -203,21 +203,26 @@ def hide(
     return min(total, excess + first)
 
 
-def lanes(collectives: Sequence[tuple[Sequence[str], str]], torus: bool) -> list[str]:
+def lanes(
+    collectives: Sequence[tuple[Sequence[str], str]], torus: bool, dimensions: int = 0
+) -> list[str]:
     """The lane each collective (its mesh axes, and its link: `fast` or `slow`) travels in:
-    the collectives of one lane share links, so they add up before compute hides any of
-    them (`hide`). The slow links are one lane (a host's network adapters), and so are a
-    switch's fast links (NVLink); on a torus each mesh axis has links of its own (ICI along
-    its torus dimensions), so collectives over disjoint axes run side by side, and those
-    that share an axis, directly or through a third, share a lane."""
+    the collectives of one lane share links, so their seconds add up before compute hides
+    any of them (`hide`). The slow links are one lane (a host's network adapters), and so
+    are a switch's fast links (NVLink). On a torus, each mesh axis is taken to lie along
+    torus dimensions of its own, with links no other axis uses, so collectives over
+    disjoint axes run side by side and those that share an axis, directly or through a
+    third, share a lane; more groups of axes than the torus has `dimensions` cannot each
+    have their own, and share one lane."""
     groups: list[set[str]] = []
     for axes, where in collectives:
         if torus and where == "fast":
             joined = set(axes).union(*(g for g in groups if g & set(axes)))
             groups = [g for g in groups if not g & joined] + [joined]
+    crowded = 0 < dimensions < len(groups)
 
     def lane(axes: Sequence[str], where: str) -> str:
-        if not (torus and where == "fast"):
+        if not (torus and where == "fast") or crowded:
             return where
         (group,) = [g for g in groups if g & set(axes)]
         return "fast: " + " x ".join(sorted(group))
@@ -244,7 +249,7 @@ def _collectives(
         sent, seconds = collective_seconds(t.kind, array, n, mesh, t.axes, hw)
         where = "fast" if within(t.axes, mesh, hw) else "slow"
         timed.append((t, n, array, passes * sent, passes * seconds, where, t.launches(sizes)))
-    found = lanes([(row[0].axes, row[5]) for row in timed], hw.ring)
+    found = lanes([(row[0].axes, row[5]) for row in timed], hw.ring, hw.dimensions)
     share = {}
     for lane in set(found):
         group = [
@@ -278,8 +283,8 @@ def step_cost(
     or a published HFU) of peak matmul FLOP/s, plus the bytes elementwise work and the
     optimizer move through memory at the device's bandwidth. Each collective costs a
     latency per ring step and its bytes over the link its axes cross (`link`); what compute
-    can hide it behind depends on the step's dependencies (`OVERLAPS`), and collectives on
-    one link add up before they hide (`hide`). A pipeline's compute is stretched by its
+    can hide it behind depends on the step's dependencies (`OVERLAPS`), and collectives in
+    one lane add up before they hide (`lanes`, `hide`). A pipeline's compute is stretched by its
     schedule's bubble (`pipeline_bubble`).
     """
     hw = hardware(hw)
@@ -408,8 +413,8 @@ def ring_hop_tokens(
 
 
 def crossover(cfg: Config, setup: Setup, hw: Hardware | str, seq: int | None = None) -> float:
-    """Tokens per device below which `setup`'s weight gathers and gradient reductions on its
-    busiest link take longer than its compute, so that they cannot hide: they do not grow
+    """Tokens per device below which `setup`'s weight gathers and gradient reductions in its
+    busiest lane take longer than its compute, so that they cannot hide: they do not grow
     with the batch, compute does. From the same collectives and compute time as
     `step_cost`, at one sequence per data-parallel device."""
     seq = seq or cfg.max_len

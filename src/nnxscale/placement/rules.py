@@ -397,8 +397,9 @@ PP_FSDP_CP_TP = Rules(
 )
 """Context parallelism inside pipeline stages, as Llama 3 405B trained at 131k tokens:
 stages over `stage`, and inside each stage FSDP over `fsdp`, every sequence split over
-`context` (ring attention) and TP over `model`, with sequence parallelism splitting the
-residual stream's chunk of the sequence over `model` too."""
+`context` (the book's ring attention; Llama 3 all-gathers keys and values instead) and TP
+over `model`, with sequence parallelism splitting the residual stream's chunk of the
+sequence over `model` too."""
 
 EXPERT = "expert"
 """The mesh axis expert parallelism splits a mixture's experts over."""
