@@ -164,7 +164,7 @@ def unpriced(rules: Rules, moe: int, schedule: str = "lockstep") -> str:
     or "": for a mixture of experts, tensor, context and pipeline axes (what the compiled
     steps were checked against is data, FSDP and expert parallelism); for a context ring
     inside pipeline stages, the lockstep executor (`nnxscale.pipeline` runs no ring)."""
-    staged = _tensor_stage(arrays_of(rules, bool(moe))) is not None
+    staged = bool(rules.axes_of("layers"))
     if not moe and schedule == "lockstep" and staged and context_axis(rules) is not None:
         return (
             f"rule set {rules.name!r} runs a context ring inside pipeline stages, which the "
