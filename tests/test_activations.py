@@ -107,6 +107,30 @@ def test_remat_keeps_layer_inputs_and_rebuilds_the_rest() -> None:
     assert all(dict(term).get("seq", 0) < 2 for term in whole.layer.terms)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("remat", [False, "full", "dots"])
+def test_the_residual_stream_is_what_sequence_parallelism_splits(dtype: str, remat) -> None:
+    """Traced under TP+SP on Explicit axes, the arrays whose sequence is split are the
+    stream's: in `batch x seq` and `embed` only, part of what each layer keeps, at least the
+    textbook's 4E values a token (two norms' inputs and outputs) without remat, and with full
+    remat all of it (a layer's input)."""
+    k = activations.kept(dtype, remat)
+    for part in ("layer", "model"):
+        stream, whole = k.on_stream(part), getattr(k, part)
+        assert stream.terms and all(
+            set(dict(term)) <= {"batch", "seq", "embed"} and "seq" in dict(term)
+            for term in stream.terms
+        )
+        assert all(0 < c <= whole.terms[term] for term, c in stream.terms.items())
+    width = jnp.dtype(dtype).itemsize
+    values = k.on_stream("layer").terms[(("batch", 1), ("embed", 1), ("seq", 1))] / width
+    assert values >= (4 if remat is False else 1)
+    if remat == "full":
+        assert k.on_stream("layer") == k.layer
+    assert activations.kept(ring=True).stream == activations.kept().stream
+    assert activations.kept(moe=1).stream is None  # a mixture under SP is not traced
+
+
 def test_a_size_the_calibration_cannot_name_is_an_error() -> None:
     assert activations.factor(2 * 3 * 3) == {"batch": 1, "seq": 2}
     with pytest.raises(ValueError, match="not a product of the traced sizes"):
@@ -116,8 +140,10 @@ def test_a_size_the_calibration_cannot_name_is_an_error() -> None:
 def test_each_trace_is_made_once_whatever_the_dtypes_that_read_it() -> None:
     policy, dropout = "dots", True  # with dropout: no other test of this module traces it
     before = activations._trace.cache_info().misses
+    streams = activations._stream.cache_info().misses
     float32 = activations.kept("float32", policy, dropout)
     bfloat16 = activations.kept("bfloat16", policy, dropout)
     # float32 and bfloat16, with the policy and without it (for `rebuilt`): 4, not 8
     assert activations._trace.cache_info().misses - before == 4
+    assert activations._stream.cache_info().misses - streams == 4  # the same, on the stream
     assert float32.layer != bfloat16.layer

@@ -12,11 +12,12 @@ import pytest
 from flax import nnx
 from jax.sharding import AbstractMesh, AxisType
 
-from nnxscale import costs, pipeline, schedules
+from nnxscale import activations, costs, pipeline, schedules
 from nnxscale.analysis.comm import ring_bytes
 from nnxscale.analysis.hlo import collectives, dot_flops
 from nnxscale.core.memory import CompiledMemory
 from nnxscale.costs.planner import TOLERANCE
+from nnxscale.costs.steps import sizes_of
 from nnxscale.model import TINY, Config, count_params, create
 from nnxscale.placement.init import abstract
 from nnxscale.placement.layout import resolve
@@ -257,6 +258,41 @@ def test_the_peak_lies_within_the_tolerance_of_the_compiled_step(name, cfg, micr
     predicted = costs.step_cost(cfg, setup_of(run, cfg), H100, rows, 32).peak
     low, high = TOLERANCE
     assert low <= compiled_peak(program) / predicted <= high
+
+
+def test_sequence_parallelism_splits_what_the_ledger_keeps_on_the_stream() -> None:
+    """TP+SP keeps what TP keeps less (1 - 1/t) of what lies on the residual stream
+    (`Kept.stream`, traced): the ledger sees `residual_length`, and nothing else changes."""
+    cfg, mesh = PLAIN.replace(scan_layers=True), {"data": 4, "model": 2}
+    tp, sp = (costs.Setup.of(STRATEGIES[n], mesh) for n in ("TP", "TP+SP"))
+    ledgers = [costs.ledger(cfg, s, 64, 32) for s in (tp, sp)]
+    k = activations.kept()
+    stream = (k.on_stream("layer") * "layers" + k.on_stream("model"))(sizes_of(cfg, tp, 64, 32))
+    split = ledgers[0]["activations"] - ledgers[1]["activations"]
+    assert split == pytest.approx(stream / mesh["data"] * (1 - 1 / mesh["model"]), rel=1e-12)
+    assert {k: v for k, v in ledgers[0].items() if k != "activations"} == {
+        k: v for k, v in ledgers[1].items() if k != "activations"
+    }
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("remat", [False, True])
+@pytest.mark.parametrize("rows", [16, 64])
+def test_sequence_parallelisms_saving_against_the_compiled_step(remat: bool, rows: int) -> None:
+    """What TP+SP saves over TP, priced, against what the compiled step's temporaries save,
+    with layers scanned as the ledger traces them: within the peak's tolerance (the
+    temporaries are XLA's schedule's peak, the price the arrays autodiff keeps)."""
+    cfg = PLAIN.replace(scan_layers=True, remat=remat)
+    temp, priced = [], []
+    for name in ("TP", "TP+SP"):
+        run = trainer(name, 8, cfg)
+        program = run.compile(run.batch(Batches(CORPUS, rows, 32)))
+        temp.append(CompiledMemory.of(program).temp)
+        priced.append(costs.ledger(cfg, setup_of(run, cfg), rows, 32)["activations"])
+        peak = costs.step_cost(cfg, setup_of(run, cfg), H100, rows, 32).peak
+        assert TOLERANCE[0] <= compiled_peak(program) / peak <= TOLERANCE[1]
+    low, high = TOLERANCE
+    assert temp[0] > temp[1] and low <= (priced[0] - priced[1]) / (temp[0] - temp[1]) <= high
 
 
 @pytest.mark.slow

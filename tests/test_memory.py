@@ -5,6 +5,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import AbstractMesh, AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from nnxscale.core.memory import CompiledMemory, residual_arrays, saved_bytes
 
@@ -24,6 +26,18 @@ def test_residual_arrays_leave_out_the_programs_constants():
     x = jnp.ones((8, 8), jnp.float32)
     kept = residual_arrays(lambda x: jnp.sin(x * jnp.asarray(table)).sum(), x)
     assert [a.shape for a in kept] == [(8, 8)]  # cos(x * table), not the table
+
+
+def test_residual_arrays_carry_their_placement_on_explicit_axes():
+    """On Explicit mesh axes each kept array's type says where it lies (what the ledger
+    reads to find sequence parallelism's split stream); elsewhere there is none to carry."""
+    mesh = AbstractMesh((1,), ("model",), axis_types=(AxisType.Explicit,))
+    x = jax.ShapeDtypeStruct((4, 8), jnp.float32, sharding=NamedSharding(mesh, P("model")))
+    with jax.sharding.use_abstract_mesh(mesh):
+        (kept,) = residual_arrays(lambda x: jnp.sin(x).sum(), x)
+    assert kept.sharding.spec == P("model", None)
+    (plain,) = residual_arrays(lambda x: jnp.sin(x).sum(), jnp.ones((4, 8)))
+    assert plain.sharding is None
 
 
 def test_held_counts_donated_buffers_once_and_adds_the_temporaries():

@@ -52,16 +52,22 @@ def residual_arrays(fn: Callable[..., Any], *args: Any) -> list[jax.ShapeDtypeSt
     """The arrays JAX's autodiff keeps from the forward pass of `fn` at `args` for its backward
     pass, leaving out `args` themselves and the program's constants (they exist anyway),
     found by tracing alone: shapes and dtypes, no values, so it costs no memory whatever the
-    sizes."""
+    sizes. Traced on Explicit mesh axes, each array carries its placement (`.sharding`)."""
     closed, shapes = jax.make_jaxpr(lambda *a: jax.vjp(fn, *a), return_shape=True)(*args)
     count = len(jax.tree.leaves(shapes[1]))
     inputs = {id(v) for v in (*closed.jaxpr.invars, *closed.jaxpr.constvars)}
     kept = closed.jaxpr.outvars[len(closed.jaxpr.outvars) - count :]
     return [
-        jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype)
+        jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype, sharding=_placed(v.aval))
         for v in kept
         if id(v) not in inputs and v.aval.size  # inputs, the program's constants; empty markers
     ]
+
+
+def _placed(aval: Any) -> jax.sharding.NamedSharding | None:
+    """An array's placement where its type has one (on Explicit mesh axes), else None."""
+    sharding = getattr(aval, "sharding", None)
+    return sharding if sharding is not None and sharding.mesh.axis_names else None
 
 
 def saved_bytes(fn: Callable[..., Any], *args: Any) -> int:

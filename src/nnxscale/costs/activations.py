@@ -20,6 +20,10 @@ dimensions too. Its routing places the k choices of each token in a scan, so wha
 per choice is stacked along a dimension of k, and a trace at k = 23 names it `top_k`. A
 mixture with one choice is traced at k = 1 (its gates are not renormalised).
 
+Megatron's sequence parallelism splits the residual stream along the sequence: the dense model
+is traced once more under TP+SP, on Explicit axes of one device, where each kept array's type
+carries its placement; those whose sequence is placed as `residual_length` are `Kept.stream`.
+
 Attention keeps its queries grouped by key/value head (`nnxscale.context.grouped`): a
 dimension of 43 is `groups`, and `kv_heads` x `groups` is read back as `heads`.
 """
@@ -34,14 +38,14 @@ from collections.abc import Mapping
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.sharding import AbstractMesh, AxisType
+from jax.sharding import AbstractMesh, AxisType, NamedSharding, PartitionSpec
 
 from nnxscale.core.memory import residual_arrays
 from nnxscale.costs.formula import Formula
 from nnxscale.model.losses import next_token_loss
 from nnxscale.model.transformer import Config, create, remat_policy
 from nnxscale.placement.layout import activation_rules
-from nnxscale.placement.rules import CONTEXT, CP
+from nnxscale.placement.rules import CONTEXT, CP, SP
 
 GROUPS = 43
 """Query heads per key/value head in the traced model: `heads` is `kv_heads` x 43."""
@@ -118,7 +122,11 @@ class Kept:
     a strategy gathers them. `rebuilt` is what one rematerialised layer holds again while its
     backward pass runs, besides its weight copies (zero without remat). `local` holds the
     ring's blocks, kept inside `jax.shard_map` (zero without a ring): already per device
-    along the sequence, in `chunk`, the tokens of a sequence each device holds."""
+    along the sequence, in `chunk`, the tokens of a sequence each device holds. `stream`
+    holds the part of `layer` and `model` kept on the residual stream (the norms' inputs and
+    statistics, the residual adds), which Megatron's sequence parallelism splits along the
+    sequence (`residual_length`); None where it was not traced (a mixture). A layer being
+    rebuilt is priced whole: compiled, its stream saves nothing (`tests/test_costs.py`)."""
 
     layer: Formula
     model: Formula
@@ -126,10 +134,18 @@ class Kept:
     head_weights: Formula
     rebuilt: Formula
     local: Formula = dataclasses.field(default_factory=Formula)
+    stream: Kept | None = None
 
-    def json(self) -> dict[str, list[list[object]]]:
-        """Every formula as JSON (what the calculator reads)."""
-        return {f.name: getattr(self, f.name).json() for f in dataclasses.fields(self)}
+    def on_stream(self, name: str) -> Formula:
+        """The part of formula `name` kept on the residual stream (zero where not traced)."""
+        return Formula() if self.stream is None else getattr(self.stream, name)
+
+    def json(self) -> dict[str, object]:
+        """Every formula as JSON."""
+        return {
+            f.name: None if getattr(self, f.name) is None else getattr(self, f.name).json()
+            for f in dataclasses.fields(self)
+        }
 
 
 Traced = dict[tuple[int, bool, bool], Formula]
@@ -149,10 +165,11 @@ def _traced(
     seq: int,
     ring: int = 0,
     units: Mapping[str, int] = PRIMES,
+    stream: bool = False,
 ) -> Traced:
     """The arrays autodiff keeps for the loss of `batch` sequences of `seq` tokens, as
     formulas in the sizes of `units`; with `ring` > 0, traced under context parallelism over
-    a ring of that size."""
+    a ring of that size; with `stream`, only those on the residual stream (`_on_stream`)."""
     model = nnx.eval_shape(lambda: create(cfg))
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     tokens = jax.ShapeDtypeStruct((batch, seq + 1), jnp.int32)
@@ -167,6 +184,13 @@ def _traced(
         mesh = AbstractMesh((1, ring), CP.axes, axis_types=(AxisType.Auto,) * 2)
         with activation_rules(CP, mesh):
             arrays = residual_arrays(loss, params, tokens, key)
+    elif stream:  # SP on Explicit axes of one device: each kept array's type has its placement
+        mesh = AbstractMesh((1, 1), SP.axes, axis_types=(AxisType.Explicit,) * 2)
+        rows = NamedSharding(mesh, PartitionSpec(SP.axes_of("batch")))
+        tokens = jax.ShapeDtypeStruct(tokens.shape, tokens.dtype, sharding=rows)
+        with jax.sharding.use_abstract_mesh(mesh), activation_rules(SP, mesh):
+            arrays = residual_arrays(loss, params, tokens, key)
+        arrays = [a for a in arrays if _on_stream(a, units["seq"])]
     else:
         arrays = residual_arrays(loss, params, tokens, key)
     found: Traced = {}
@@ -188,6 +212,21 @@ def _traced(
             names.elements(), array.dtype.itemsize
         )
     return found
+
+
+def _on_stream(array: jax.ShapeDtypeStruct, seq: int) -> bool:
+    """Whether a kept array traced under `SP` lies on the residual stream: its dimension of
+    `seq` tokens placed as `residual_length` (SP's `model`, where `length` stays whole)."""
+    split = set(SP.axes_of("residual_length"))
+    return any(
+        size == seq and split & set(_axes(part))
+        for size, part in zip(array.shape, array.sharding.spec, strict=False)
+    )
+
+
+def _axes(part: str | tuple[str, ...] | None) -> tuple[str, ...]:
+    """The mesh axes of one entry of a partition spec."""
+    return () if part is None else (part,) if isinstance(part, str) else tuple(part)
 
 
 def _config(policy: str | None, dropout: bool, sizes: Mapping[str, int], max_len: int) -> Config:
@@ -227,6 +266,13 @@ def _trace(cfg: Config, dropout: bool, moe: int) -> Traced:
     if not moe:
         return _traced(cfg, dropout, PRIMES["batch"], PRIMES["seq"])
     return _moe_traced(cfg, dropout, 1 if moe == 1 else TOP_K, CAPACITY)
+
+
+@functools.cache
+def _stream(cfg: Config, dropout: bool) -> Traced:
+    """What a dense `cfg` keeps on the residual stream, at the primes (read it, do not change
+    it)."""
+    return _traced(cfg, dropout, PRIMES["batch"], PRIMES["seq"], stream=True)
 
 
 def _pick(found: Traced, layers: int, local: bool = False, batch: bool | None = None) -> Formula:
@@ -279,10 +325,14 @@ def kept(
     layer, model = _pick(found, 1), _pick(found, 0)
     if compute_dtype != "float32":
         layer, model = layer - copies(1), model - copies(0)
+    stream = None
+    if not moe:  # a mixture under sequence parallelism is not traced (nor priced)
+        streams = _stream(cfg.replace(compute_dtype=compute_dtype), dropout)
+        stream = Kept(_pick(streams, 1), _pick(streams, 0), Formula(), Formula(), Formula())
     rebuilt = Formula()
     if policy is not None:
         rebuilt = kept(compute_dtype, False, dropout, moe=moe).layer - layer
-    return Kept(layer, model, copies(1), copies(0), rebuilt)
+    return Kept(layer, model, copies(1), copies(0), rebuilt, stream=stream)
 
 
 @functools.cache
@@ -316,4 +366,5 @@ def _ring_kept(compute_dtype: str, policy: str | None, dropout: bool) -> Kept:
         whole = _ring_kept(compute_dtype, None, dropout)
         rebuilt = whole.layer - layer + _ring(compute_dtype, None, dropout)[2] - local_layer
     local = local_layer * "layers" + local_model
-    return Kept(layer, model, dense.weights, dense.head_weights, rebuilt, local)
+    # the ring leaves the residual stream outside `jax.shard_map`, as the dense model keeps it
+    return Kept(layer, model, dense.weights, dense.head_weights, rebuilt, local, dense.stream)

@@ -157,20 +157,24 @@ def _resolved_arrays(rules: Rules, moe: bool) -> list[PlacedArray]:
 
 def _order(names: list[str]) -> tuple[str, ...]:
     """Logical names in the order an array of them is placed: batch, then sequence, the rest."""
-    rank = {"batch": 0, "length": 1}
+    rank = {"batch": 0, "length": 1, "residual_length": 1}
     return tuple(sorted(names, key=lambda n: rank.get(n, 2)))
 
 
-def split_by(formula: Formula, rules: Rules, *, weights: bool = False) -> Formula:
+def split_by(
+    formula: Formula, rules: Rules, *, weights: bool = False, sequence: str = "length"
+) -> Formula:
     """`formula` (bytes of whole arrays, one term per kind of array) as one device holds it:
     each term divided by the sizes of the mesh axes that `rules` split its dimensions over,
-    as an activation, or as the read copy of a weight (`weight_axes`). A term names each
-    dimension once, so an array that repeats an axis across two of them (a mixture's slots,
-    split by group and by expert) is split once, not refused as a strict rule set would."""
+    as an activation (its `seq` placed as the logical axis `sequence`), or as the read copy
+    of a weight (`weight_axes`). A term names each dimension once, so an array that repeats
+    an axis across two of them (a mixture's slots, split by group and by expert) is split
+    once, not refused as a strict rule set would."""
     mesh, out = _unit_mesh(rules), Formula()
     rules = dataclasses.replace(rules, strict=False)
+    logical = {**LOGICAL, "seq": sequence}
     for powers, coefficient in formula.terms.items():
-        names = _order([LOGICAL.get(n, n) for n, p in powers for _ in range(p)])
+        names = _order([logical.get(n, n) for n, p in powers for _ in range(p)])
         shape = (1,) * len(names)
         if weights:
             axes = weight_axes(shape, names, rules, mesh)[1]
@@ -178,6 +182,13 @@ def split_by(formula: Formula, rules: Rules, *, weights: bool = False) -> Formul
             axes = activation_axes(shape, names, rules, mesh)
         out += Formula({powers: coefficient}).per(a for dim in axes if dim for a in dim)
     return out
+
+
+def split_kept(formula: Formula, stream: Formula, rules: Rules) -> Formula:
+    """`split_by` for activations of which `stream` lies on the residual stream: that part
+    split along the sequence as `residual_length` (Megatron's sequence parallelism), the
+    rest as `length`."""
+    return split_by(formula - stream, rules) + split_by(stream, rules, sequence="residual_length")
 
 
 def per_micro_batch(formula: Formula) -> Formula:

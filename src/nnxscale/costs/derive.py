@@ -26,6 +26,7 @@ from nnxscale.costs.arrays import (
     arrays_of,
     per_micro_batch,
     split_by,
+    split_kept,
     tensor_axes,
     weight_transfers,
 )
@@ -226,8 +227,9 @@ def _kept(
     ring = context_axis(rules)
     tokens = set(rules.token_axes(rules.axes))
     k = kept(compute_dtype, policy or False, ring=ring is not None, moe=moe)
+    stream = k.on_stream("layer") * "layers" + k.on_stream("model")
     activations = per_micro_batch(
-        split_by(k.layer * "layers" + k.model, rules) + _local(k.local, rules)
+        split_kept(k.layer * "layers" + k.model, stream, rules) + _local(k.local, rules)
     )
     copies = compute_dtype != "float32" or any(
         tokens & {x for d in a.axes["params"] for x in d} for a in arrays
@@ -410,12 +412,11 @@ def _one_f_one_b(
     ring = context_axis(rules)
     k = kept(compute_dtype, policy or False, ring=ring is not None)
     blocks = _local(k.local, rules) if ring else Formula()
-    layer = per_micro_batch(split_by(k.layer, rules) + _layer_terms(blocks) / "layers")
+    layer = split_kept(k.layer, k.on_stream("layer"), rules) + _layer_terms(blocks) / "layers"
+    layer = per_micro_batch(layer)
     residual = [a for a in rules.axes_of("residual_length") if a != ring]  # Megatron's SP
-    if policy == "full":  # the layer's input: the residual stream, split by SP
-        layer = layer.per(residual)
     in_flight = Formula.of(stage) + (Formula.of(stage) - 1) * "interleaved" / "virtual"
-    model = split_by(k.model, rules) + blocks - _layer_terms(blocks)
+    model = split_kept(k.model, k.on_stream("model"), rules) + blocks - _layer_terms(blocks)
     activations = (layer * "layers").per([stage]) * in_flight + per_micro_batch(model)
     head = per_micro_batch(split_by(Formula.product(["batch", "seq", "vocab"], LOGIT_BYTES), rules))
     once = Formula.of(1)

@@ -60,8 +60,8 @@ compiles to ZeRO-2's program (chapter 12 asserts it). Not PP+FSDP+CP+TP unless a
 (`plan(..., strategies=...)`): the time model prices no overhead per micro-batch beyond each
 collective's latency, nor the lower efficiency of small products, so a context ring inside
 stages would cut a step into many small micro-batches to shrink the pipeline's bubble
-(Llama 3 405B at 8k tokens: CP 8 in 32 stages, 256 micro-batches of 1,024 tokens a device,
-1.2 to 1.25 times as fast as Llama 3's layout), which no published run at that length does;
+(Llama 3 405B at 8k tokens: CP 4 in 32 stages, 128 micro-batches of 2,048 tokens a device,
+1.29 to 1.34 times as fast as Llama 3's layout), which no published run at that length does;
 Llama 3 used it at 131k tokens only."""
 
 EXPERT_PLANNED = ("EP", "FSDP+EP")
