@@ -89,3 +89,16 @@ def test_tp_inside_pipeline_stages_reproduces_llama_3_and_megatron() -> None:
     assert abs(long.ratio - 1) < 0.1
     megatron = table["Megatron-LM 1T, 3,072 A100s"]
     assert megatron.calibrates and abs(megatron.ratio - 1) < 0.01
+
+
+def test_maxtexts_older_attention_count_differs_by_under_3_percent_of_a_step() -> None:
+    """MaxText's README tables count attention without the causal mask, 12 L b s^2 H D, where
+    the book counts 7 L b H D (s^2 + s block): at their 2,048 tokens the gap stays under 3%
+    of a step's FLOPs, small beside the factor the table holds (`runs._V5E`)."""
+    gaps = []
+    for run in runs.runs():
+        if run.source == "maxtext2025" and run.quantity == "TFLOP/s per device":
+            c, b, s = run.cfg, run.batch, run.seq
+            attention = c.layers * b * c.heads * c.head_dim * s * s
+            gaps.append((12 - 7) * attention / costs.step_flops(c, b, s))
+    assert len(gaps) >= 40 and 0.02 < max(gaps) < 0.03

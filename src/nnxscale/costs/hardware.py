@@ -20,13 +20,18 @@ fragmentation and buffers the compiler adds beyond the ledger."""
 class Hardware:
     """One accelerator, its memory and its links, as the time model sees them.
 
-    `flops` is peak dense bfloat16 FLOP/s, `hbm` the bytes per second its memory delivers.
+    `flops` is peak dense bfloat16 FLOP/s, `hbm` the bytes per second its memory delivers,
+    `memory` the datasheet's capacity in units of 10^9 bytes (the cards count it in GiB, a
+    little more, so a fit check errs on the safe side).
     `fast` is the bytes per second one device sends around a ring inside its fast domain of
     `domain` devices (TPU ICI along one axis, GPU NVLink within a host), `slow` to devices in
     other domains (data-centre network, InfiniBand); `ring` says whether the fast links form
     a ring or torus (TPU ICI, where an all-to-all travels part-way around it) rather than a
-    switch (NVLink). `hop` and `far_hop` are the seconds each step of a collective costs
-    before any byte moves, on each kind of link. `source` is a key of the bibliography.
+    switch (NVLink). Links are priced at these datasheet rates, while compute is derated by
+    `efficiency`: a collective that reaches less of its link than the products reach of
+    theirs is priced optimistically. `hop` and `far_hop` are the seconds each step of a
+    collective costs before any byte moves, on each kind of link. `source` is a key of the
+    bibliography.
     `efficiency` is the fraction of peak FLOP/s the step's products (recompute included)
     reach on it (a hardware FLOPs utilisation, HFU): fitted to a published run where the
     cost model expresses one (`nnxscale.costs.runs`; the fit also absorbs what the model
