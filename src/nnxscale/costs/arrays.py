@@ -14,7 +14,8 @@ from jax.sharding import AbstractMesh, AxisType
 from nnxscale.costs.activations import EXPERTS, LOGICAL, PRIMES, factor
 from nnxscale.costs.counts import SIZES, STATE_BYTES
 from nnxscale.costs.formula import Formula
-from nnxscale.model.transformer import CAST_WEIGHTS, Config, create
+from nnxscale.model.casting import CAST_WEIGHTS
+from nnxscale.model.transformer import Config, create
 from nnxscale.placement.init import abstract
 from nnxscale.placement.layout import ROUTED, activation_axes, resolve, weight_axes
 from nnxscale.placement.rules import RuleError, Rules

@@ -1,9 +1,9 @@
 """The book's Transformer; published `configs`, ring attention (`context`), mixture (`moe`),
 losses, `Params`."""
 
+from nnxscale.model.casting import CAST_WEIGHTS, compute_copy
 from nnxscale.model.transformer import (
     BENCH,
-    CAST_WEIGHTS,
     HEADS,
     HIDDEN,
     KV_HEADS,
@@ -20,7 +20,6 @@ from nnxscale.model.transformer import (
     Config,
     RMSNorm,
     Transformer,
-    compute_copy,
     config_problem,
     count_params,
     create,
