@@ -26,7 +26,7 @@ from nnxscale.core import memory, show, trees
 from nnxscale.core.memory import CompiledMemory
 from nnxscale.costs import activations, calculator, formula, planner
 from nnxscale.costs.planner import plan
-from nnxscale.model import configs, context, growth, losses, moe, params
+from nnxscale.model import configs, context, dropless, growth, losses, moe, params
 from nnxscale.model.transformer import TINY, Config, Transformer, create
 from nnxscale.parallelism import fsdp, pipeline, schedules
 from nnxscale.placement import compiling, init, layout, mesh, naming, rounds, rules
@@ -110,8 +110,8 @@ __all__ = [
 
 MODULES = (
     activations, agree, calculator, checkpoint, cli, comm, compiling, configs, context, costs, data,
-    devices, environment, events, figures, formula, fsdp, growth, hlo, init, integrity, launch,
-    layout, losses, machine, memory, mesh, model, moe, multi, naming, overlap, params, pipeline,
-    planner, profiles, program, rounds, rules, schedules, show, train, trees,
+    devices, dropless, environment, events, figures, formula, fsdp, growth, hlo, init, integrity,
+    launch, layout, losses, machine, memory, mesh, model, moe, multi, naming, overlap, params,
+    pipeline, planner, profiles, program, rounds, rules, schedules, show, train, trees,
 )  # fmt: skip
 """The modules, each reached as `nx.<module>`: the rest of the library, spelled with its home."""

@@ -41,6 +41,7 @@ from flax import nnx
 from jax.sharding import AbstractMesh, AxisType, NamedSharding, PartitionSpec
 
 from nnxscale.core.memory import residual_arrays
+from nnxscale.costs.counts import mixture_problem
 from nnxscale.costs.formula import Formula
 from nnxscale.model.losses import next_token_loss
 from nnxscale.model.transformer import Config, create, remat_policy
@@ -154,7 +155,10 @@ Traced = dict[tuple[int, bool, bool], Formula]
 
 def mixture(cfg: Config) -> int:
     """How the model's MLP is traced: 0 dense, 1 a mixture whose tokens choose one expert,
-    2 a mixture whose tokens choose several (`kept`'s `moe`)."""
+    2 a mixture whose tokens choose several (`kept`'s `moe`); GShard's capacity routing only
+    (`nnxscale.costs.mixture_problem` refuses the others)."""
+    if cfg.experts and cfg.routing != "capacity":
+        raise ValueError(mixture_problem(cfg))
     return min(cfg.top_k, 2) if cfg.experts else 0
 
 

@@ -383,6 +383,11 @@ def mixture_problem(cfg: Config) -> str:
         return f"top_k={cfg.top_k} with {cfg.experts} experts: use 1 <= top_k <= {cfg.experts}"
     if cfg.experts and not cfg.capacity_factor > 0:
         return "the capacity factor must be positive"
+    if cfg.experts and cfg.routing != "capacity":
+        return (
+            f"routing={cfg.routing!r}: the cost model prices GShard's capacity routing "
+            "(routing='capacity'), not a dropless mixture's blocks"
+        )
     return ""
 
 

@@ -1,5 +1,5 @@
-"""The book's Transformer; published `configs`, ring attention (`context`), mixture (`moe`),
-losses, `Params`."""
+"""The book's Transformer; published `configs`, ring attention (`context`), mixtures (`moe`,
+GShard's with a capacity, and `dropless`), losses, `Params`."""
 
 from nnxscale.model.casting import CAST_WEIGHTS, compute_copy
 from nnxscale.model.transformer import (

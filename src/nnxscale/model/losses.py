@@ -44,7 +44,7 @@ def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
 
 def next_token_loss(model: nnx.Module, tokens: jax.Array, rngs: nnx.Rngs | None) -> jax.Array:
     """The book's loss: mean cross-entropy of predicting tokens[:, 1:] from tokens[:, :-1],
-    plus, for a mixture of experts, `aux_weight` times the layers' load-balancing loss.
+    plus, for a mixture of experts, the layers' weighted auxiliary losses.
 
     The Transformer splits one dropout key into a key per layer itself, so it is given the
     stream's key as it is (the step's key), not a draw from it.

@@ -29,6 +29,7 @@ from nnxscale.model.context import (
     ring_attention,
     to_layout,
 )
+from nnxscale.model.dropless import Dropless, Routed
 from nnxscale.model.losses import cross_entropy
 from nnxscale.model.moe import MoE, Routing
 from nnxscale.placement.layout import (
@@ -102,6 +103,17 @@ class Config:
     capacity_factor: float = 2.0
     aux_weight: float = 0.01
     """Weight of the load-balancing loss in the training loss (MoE only)."""
+    routing: str = "capacity"
+    """How a mixture routes its tokens (`ROUTINGS`): "capacity", GShard's (`nnxscale.moe`:
+    each expert takes at most `capacity_factor` times its even share, and drops the rest), or
+    "dropless" (`nnxscale.dropless`: every token reaches its k experts, on grouped products
+    in blocks of `expert_block` rows)."""
+    shared_experts: int = 0
+    z_weight: float = 0.0
+    expert_block: int = 8
+    """Dropless only: the width of the shared experts every token passes through, in units of
+    `mlp` (0: none); the weight of the router's z-loss (ST-MoE uses 0.001); the rows of a
+    block (the padding is less than one block per expert)."""
 
     def __post_init__(self) -> None:
         problem = config_problem(self)
@@ -147,6 +159,28 @@ def config_problem(cfg: Config) -> str:
     for name in ("compute_dtype", "param_dtype"):
         if getattr(cfg, name) not in DTYPES:
             return f"{name}={getattr(cfg, name)!r}: use one of {', '.join(DTYPES)}"
+    return _mixture_problem(cfg)
+
+
+ROUTINGS = ("capacity", "dropless")
+"""How a mixture of experts can route its tokens (`Config.routing`)."""
+
+
+def _mixture_problem(cfg: Config) -> str:
+    """What is wrong with `cfg`'s mixture settings, naming the fix, or ""."""
+    if cfg.routing not in ROUTINGS:
+        return f"routing={cfg.routing!r}: use one of {', '.join(ROUTINGS)}"
+    if not (0 <= cfg.z_weight < float("inf")) or cfg.shared_experts < 0 or cfg.expert_block < 1:
+        return (
+            f"z_weight={cfg.z_weight}, shared_experts={cfg.shared_experts}, expert_block="
+            f"{cfg.expert_block}: use a finite z_weight >= 0, shared_experts >= 0 and "
+            "expert_block >= 1"
+        )
+    if cfg.routing == "capacity" and (cfg.shared_experts or cfg.z_weight):
+        return (
+            "shared_experts and z_weight belong to dropless routing: set routing='dropless' "
+            "or leave them at 0"
+        )
     return ""
 
 
@@ -317,6 +351,17 @@ class MLP(nnx.Module):
         return placed_einsum("blm,me->ble", hidden, compute_copy(self.down, x.dtype), RESIDUAL)
 
 
+def _feed_forward(cfg: Config, rngs: nnx.Rngs) -> nnx.Module:
+    """A layer's feed-forward network: the dense MLP, or a mixture routed as `cfg` says."""
+    if not cfg.experts:
+        return MLP(cfg, rngs=rngs)
+    sizes = (cfg.embed, cfg.mlp, cfg.experts)
+    if cfg.routing == "dropless":
+        extra = {"shared": cfg.shared_experts, "block": cfg.expert_block}
+        return Dropless(*sizes, top_k=cfg.top_k, rngs=rngs, **extra)
+    return MoE(*sizes, top_k=cfg.top_k, capacity_factor=cfg.capacity_factor, rngs=rngs)
+
+
 class Block(nnx.Module):
     """One pre-norm Transformer layer: attention and MLP, each with dropout on its output."""
 
@@ -324,37 +369,32 @@ class Block(nnx.Module):
         self.attention_norm = RMSNorm(cfg, rngs=rngs)
         self.attention = Attention(cfg, rngs=rngs)
         self.mlp_norm = RMSNorm(cfg, rngs=rngs)
-        self.mlp = (
-            MoE(
-                cfg.embed,
-                cfg.mlp,
-                cfg.experts,
-                top_k=cfg.top_k,
-                capacity_factor=cfg.capacity_factor,
-                rngs=rngs,
-            )
-            if cfg.experts
-            else MLP(cfg, rngs=rngs)
-        )
+        self.mlp = _feed_forward(cfg, rngs)
+        self.weights = (cfg.aux_weight, cfg.z_weight)  # of the balance loss and the z-loss
         self.dropout = nnx.Dropout(cfg.dropout)
 
     def __call__(self, x: jax.Array, dropout_key: jax.Array | None) -> jax.Array:
         return self.with_aux(x, dropout_key)[0]
 
     def with_aux(self, x: jax.Array, dropout_key: jax.Array | None) -> tuple[jax.Array, jax.Array]:
-        """The layer's output and its load-balancing loss (zero for a dense MLP)."""
+        """The layer's output and its weighted auxiliary loss (zero for a dense MLP)."""
         x, routing = self.with_routing(x, dropout_key)
-        return x, jnp.zeros((), jnp.float32) if routing is None else routing.aux_loss
+        if routing is None:
+            return x, jnp.zeros((), jnp.float32)
+        aux = self.weights[0] * routing.aux_loss
+        if isinstance(routing, Routed):
+            aux = aux + self.weights[1] * routing.z_loss
+        return x, aux
 
     def with_routing(
         self, x: jax.Array, dropout_key: jax.Array | None
-    ) -> tuple[jax.Array, Routing | None]:
+    ) -> tuple[jax.Array, Routing | Routed | None]:
         """The layer's output and, for a mixture of experts, how it routed its tokens (each
         sequence is one group)."""
         keys = (None, None) if dropout_key is None else tuple(jax.random.split(dropout_key))
         x = constrain(x + self._drop(self.attention(self.attention_norm(x)), keys[0]), RESIDUAL)
         h, routing = self.mlp_norm(x), None
-        if isinstance(self.mlp, MoE):
+        if isinstance(self.mlp, (MoE, Dropless)):
             h, routing = self.mlp(h)
         else:
             h = self.mlp(h)
@@ -427,8 +467,9 @@ class Transformer(nnx.Module):
 
     def head_loss(self, y: jax.Array, targets: jax.Array, aux: jax.Array | None) -> jax.Array:
         """Mean cross-entropy of `targets` under the head's logits for the blocks' output `y`,
-        plus, with experts, `aux_weight` times the layers' mean load-balancing loss `aux`
-        (their sum). A runner that returns no `aux` cannot train experts, and is refused."""
+        plus, with experts, the layers' mean auxiliary loss (`aux`, their sum: each layer's
+        load-balancing loss times `aux_weight`, and a dropless router's z-loss times
+        `z_weight`). A runner that returns no `aux` cannot train experts, and is refused."""
         loss = cross_entropy(self.unembed(y), targets)
         if not self.cfg.experts:
             return loss
@@ -437,7 +478,7 @@ class Transformer(nnx.Module):
                 "these blocks run without the experts' load-balancing loss, which training "
                 "would drop: train a mixture of experts with the rule sets (nx.EP, nx.FSDP_EP)"
             )
-        return loss + self.cfg.aux_weight * aux / self.cfg.layers
+        return loss + aux / self.cfg.layers
 
     def embed_tokens(self, tokens: jax.Array) -> jax.Array:
         """The blocks' input: the tokens' embeddings in the compute dtype (positions enter
