@@ -4,34 +4,43 @@ Today's mixtures (Mixtral, DeepSeek, Qwen3-MoE) drop no token: there is no capac
 router scores each token against every expert and keeps its top k; the k copies of each token
 are sorted by expert, so that each expert's tokens lie in one run of rows, and each run is
 padded to whole blocks of `block` rows. A scan computes each block with its own expert's
-weights (MegaBlocks' block-sparse grouped product, Gale et al. 2023): the products cost the
-tokens' k copies plus at most one partial block per expert, whatever the balance. The outputs
-are gathered back in token order and summed with the router's weights.
+weights (MegaBlocks' block-sparse grouped product, Gale et al. 2023). Shapes are static, so
+the scan always runs the blocks the worst balance needs, ceil(kT / b) + E - 1: the products
+cost the tokens' k copies plus (E - 1) b rows and the last partial block, whatever the
+balance (blocks of 8 rows suit the book's small CPU models; an accelerator wants 128 to 512,
+enough rows a weight read to keep its matrix units busy). The outputs are gathered back in
+token order and summed with the router's weights.
 
 `jax.lax.ragged_dot` is JAX's primitive for a grouped product. It is not used here: XLA
 compiles it as one dense product masked per expert, E times the work, on the CPU and, measured
-on one H200 (jax 0.11.2, `benchmarks/experts.py`), on that GPU too. There, for a Mixtral 8x7B
-layer's experts forward and backward, the tokens' products ran at 94 TFLOP/s by
-`ragged_dot`, 176 (4,096 tokens) to 235 (16,384) by these blocks of 512 rows, and 489 to 500
-by GShard's capacity dispatch at a factor of 1.25, which computes 1.41 times the products and
-drops what overflows. Dropless costs the padding and a scan; it buys no dropped token and
-memory linear in the tokens.
+on one H200 (jax 0.11.2, `benchmarks/experts.py`, the expert products alone, without routing,
+sorting or gathering), on that GPU too. There, for a Mixtral 8x7B layer's experts forward and
+backward, the tokens' products ran at 94 TFLOP/s by `ragged_dot`, 176 (4,096 tokens, 1.44
+times the copies' products computed) to 235 (16,384 tokens, 1.11 times) by these blocks of
+512 rows, and 489 to 500 by GShard's capacity dispatch at a factor of 1.25 (1.41 times, its
+dispatch products included), which drops what overflows. Dropless costs the padding and a
+scan; it buys no dropped token and memory linear in the tokens.
 
 Options beside the top-k routing: shared experts that every token passes through (DeepSeek,
 Qwen), the router's z-loss (ST-MoE: the mean squared log-sum-exp of its logits, which keeps
-them small) and Switch's load-balancing loss.
+them small). The load-balancing loss is Switch's E sum_e f_e P_e with f_e the share of all
+k T copies that expert e received (DeepSeek's form); GShard's in `nnxscale.moe` counts first
+choices only.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+from functools import partial
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from nnxscale.model.moe import MoEError, largest
+from nnxscale.placement.layout import activation_axis
 
 
 def blocks(assignments: int, experts: int, block: int) -> int:
@@ -73,16 +82,25 @@ def sort_by_expert(chosen: jax.Array, gates: jax.Array, experts: int, block: int
     return Sorted(rows.reshape(chosen.shape), owner, load, gates, chosen)
 
 
+PRODUCTS = jax.checkpoint_policies.save_only_these_names("expert product")
+"""What a block's step keeps for the backward pass: its rows (the step's input) and its
+gate and up products, not its expert's weights."""
+
+
 def grouped_swiglu(
     x: jax.Array, owner: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array
 ) -> jax.Array:
     """Each block of rows of `x` (blocks x block x d) through its owner's SwiGLU network, one
-    block a step of a scan (the products of the rows alone, on any backend)."""
+    block a step of a scan (the products of the rows alone, on any backend). The backward
+    pass keeps each block's values but not its expert's weights, which it slices again: kept,
+    they would cost a copy of an expert per block."""
     dtype = x.dtype
 
+    @partial(jax.checkpoint, policy=PRODUCTS)
     def step(_: None, inputs: tuple[jax.Array, jax.Array]) -> tuple[None, jax.Array]:
         rows, e = inputs
-        hidden = jax.nn.silu(rows @ gate[e].astype(dtype)) * (rows @ up[e].astype(dtype))
+        gated = checkpoint_name(rows @ gate[e].astype(dtype), "expert product")
+        hidden = jax.nn.silu(gated) * checkpoint_name(rows @ up[e].astype(dtype), "expert product")
         return None, hidden @ down[e].astype(dtype)
 
     return jax.lax.scan(step, None, (x, owner))[1]
@@ -151,7 +169,8 @@ def lost(rows: jax.Array, capacity: int) -> jax.Array:
     taken by another copy too: what a wrong layout would drop or overwrite."""
     flat = rows.reshape(-1)
     inside = (flat >= 0) & (flat < capacity)
-    taken = jnp.zeros((capacity,), jnp.int32).at[flat].add(1, mode="drop")
+    taken = jnp.zeros((capacity,), jnp.int32).at[jnp.where(inside, flat, capacity)]
+    taken = taken.add(1, mode="drop")
     twice = jnp.sum(jnp.maximum(taken - 1, 0))
     return (jnp.sum(~inside) + twice).astype(jnp.float32) / flat.size
 
@@ -178,8 +197,8 @@ def dense_reference(
 
 class Dropless(nnx.Module):
     """A dropless mixture-of-experts feed-forward layer: a router, `experts` stacked SwiGLU
-    MLPs (gate, up, down, with the logical axis `experts`) and, if `shared` > 0, a shared
-    SwiGLU MLP of `shared` x `mlp` hidden units that every token passes through."""
+    MLPs (gate, up, down, with the logical axis `experts`) and, if `shared` is given, shared
+    experts: a module (the Transformer's dense MLP, wider) that every token passes through."""
 
     def __init__(
         self,
@@ -188,7 +207,7 @@ class Dropless(nnx.Module):
         experts: int,
         *,
         top_k: int = 2,
-        shared: int = 0,
+        shared: nnx.Module | None = None,
         block: int = 8,
         rngs: nnx.Rngs,
     ) -> None:
@@ -209,13 +228,21 @@ class Dropless(nnx.Module):
         self.gate = stacked(experts, embed, mlp, ("experts", "embed", "mlp"))
         self.up = stacked(experts, embed, mlp, ("experts", "embed", "mlp"))
         self.down = stacked(experts, mlp, embed, ("experts", "mlp", "embed"))
-        self.shared = Shared(embed, shared * mlp, rngs=rngs) if shared else None
+        self.shared = shared
         self.top_k, self.block = top_k, block
 
     def __call__(self, x: jax.Array) -> tuple[jax.Array, Routed]:
         """The layer's output for `x` (groups x tokens x d), each group routed on its own, and
         how it routed them (losses averaged over the groups)."""
 
+        split = activation_axis("experts")
+        if split is not None:
+            raise MoEError(
+                f"dropless experts under rules that split them (over {split[0]!r}) would "
+                "gather every expert onto every device: the library has no token exchange "
+                "for dropless routing. Use DP or FSDP rules, or routing='capacity' (GShard's) "
+                "for expert parallelism."
+            )
         weights = (self.router[...], self.gate[...], self.up[...], self.down[...])
 
         def one(group: jax.Array) -> tuple[jax.Array, Routed]:
@@ -226,21 +253,3 @@ class Dropless(nnx.Module):
             y = y + self.shared(x)
         means = {k: getattr(routed, k).mean() for k in ("aux_loss", "z_loss", "dropped")}
         return y, dataclasses.replace(routed, **means)
-
-
-class Shared(nnx.Module):
-    """Shared experts: one SwiGLU MLP of `width` hidden units that every token passes through
-    beside its routed experts (DeepSeek's and Qwen's)."""
-
-    def __init__(self, embed: int, width: int, *, rngs: nnx.Rngs) -> None:
-        def normal(shape: tuple[int, int]) -> jax.Array:
-            return jax.random.normal(rngs.params(), shape, jnp.float32) / math.sqrt(shape[0])
-
-        self.gate = nnx.Param(normal((embed, width)), out_sharding=("embed", "mlp"))
-        self.up = nnx.Param(normal((embed, width)), out_sharding=("embed", "mlp"))
-        self.down = nnx.Param(normal((width, embed)), out_sharding=("mlp", "embed"))
-
-    def __call__(self, x: jax.Array) -> jax.Array:
-        dtype = x.dtype
-        hidden = jax.nn.silu(x @ self.gate[...].astype(dtype)) * (x @ self.up[...].astype(dtype))
-        return hidden @ self.down[...].astype(dtype)

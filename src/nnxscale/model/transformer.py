@@ -176,6 +176,11 @@ def _mixture_problem(cfg: Config) -> str:
             f"{cfg.expert_block}: use a finite z_weight >= 0, shared_experts >= 0 and "
             "expert_block >= 1"
         )
+    if not cfg.experts and (cfg.routing != "capacity" or cfg.shared_experts or cfg.z_weight):
+        return (
+            f"routing={cfg.routing!r}, shared_experts={cfg.shared_experts}, z_weight="
+            f"{cfg.z_weight} configure a mixture of experts: set experts > 0"
+        )
     if cfg.routing == "capacity" and (cfg.shared_experts or cfg.z_weight):
         return (
             "shared_experts and z_weight belong to dropless routing: set routing='dropless' "
@@ -357,7 +362,9 @@ def _feed_forward(cfg: Config, rngs: nnx.Rngs) -> nnx.Module:
         return MLP(cfg, rngs=rngs)
     sizes = (cfg.embed, cfg.mlp, cfg.experts)
     if cfg.routing == "dropless":
-        extra = {"shared": cfg.shared_experts, "block": cfg.expert_block}
+        wide = cfg.shared_experts * cfg.mlp
+        shared = MLP(cfg.replace(mlp=wide), rngs=rngs) if wide else None
+        extra = {"shared": shared, "block": cfg.expert_block}
         return Dropless(*sizes, top_k=cfg.top_k, rngs=rngs, **extra)
     return MoE(*sizes, top_k=cfg.top_k, capacity_factor=cfg.capacity_factor, rngs=rngs)
 
@@ -370,7 +377,7 @@ class Block(nnx.Module):
         self.attention = Attention(cfg, rngs=rngs)
         self.mlp_norm = RMSNorm(cfg, rngs=rngs)
         self.mlp = _feed_forward(cfg, rngs)
-        self.weights = (cfg.aux_weight, cfg.z_weight)  # of the balance loss and the z-loss
+        self.loss_weights = (cfg.aux_weight, cfg.z_weight)  # of the balance loss, the z-loss
         self.dropout = nnx.Dropout(cfg.dropout)
 
     def __call__(self, x: jax.Array, dropout_key: jax.Array | None) -> jax.Array:
@@ -381,9 +388,9 @@ class Block(nnx.Module):
         x, routing = self.with_routing(x, dropout_key)
         if routing is None:
             return x, jnp.zeros((), jnp.float32)
-        aux = self.weights[0] * routing.aux_loss
+        aux = self.loss_weights[0] * routing.aux_loss
         if isinstance(routing, Routed):
-            aux = aux + self.weights[1] * routing.z_loss
+            aux = aux + self.loss_weights[1] * routing.z_loss
         return x, aux
 
     def with_routing(
@@ -498,7 +505,7 @@ class Transformer(nnx.Module):
         x = placed_lookup(table, tokens, RESIDUAL)
         return constrain(x.astype(jnp.dtype(cfg.compute_dtype)), RESIDUAL)
 
-    def routings(self, tokens: jax.Array) -> list[Routing]:
+    def routings(self, tokens: jax.Array) -> list[Routing | Routed]:
         """How each layer's experts routed `tokens` (no dropout): what a chapter plots. One
         compiled program per shape of `tokens` (op by op, every op would compile anew)."""
         if self.cfg.scan_layers or not self.cfg.experts:
@@ -572,7 +579,7 @@ def count_params(model: nnx.Module) -> int:
 
 
 @nnx.jit
-def _routings(model: Transformer, tokens: jax.Array) -> list[Routing]:
+def _routings(model: Transformer, tokens: jax.Array) -> list[Routing | Routed]:
     """Each MoE layer's routing of `tokens` through the model's Python loop of blocks."""
     x, found = model.embed_tokens(tokens), []
     for block in model.blocks:
