@@ -15,9 +15,9 @@ token order and summed with the router's weights.
 compiles it as one dense product masked per expert, E times the work, on the CPU and, measured
 on one H200 (jax 0.11.2, `benchmarks/experts.py`, the expert products alone, without routing,
 sorting or gathering), on that GPU too. There, for a Mixtral 8x7B layer's experts forward and
-backward, the tokens' products ran at 94 TFLOP/s by `ragged_dot`, 176 (4,096 tokens, 1.44
-times the copies' products computed) to 235 (16,384 tokens, 1.11 times) by these blocks of
-512 rows, and 489 to 500 by GShard's capacity dispatch at a factor of 1.25 (1.41 times, its
+backward, the tokens' products ran at 89 to 94 TFLOP/s by `ragged_dot`, 242 (4,096 tokens,
+1.44 times the copies' products computed) to 323 (16,384 tokens, 1.11 times) by these blocks
+of 512 rows, and 487 to 496 by GShard's capacity dispatch at a factor of 1.25 (1.41 times, its
 dispatch products included), which drops what overflows. Dropless costs the padding and a
 scan; it buys no dropped token and memory linear in the tokens.
 
