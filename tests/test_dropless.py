@@ -172,7 +172,7 @@ def dropless_trainer(rules, devices=None):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["DP", "FSDP"])
+@pytest.mark.parametrize("name", ["DP", "FSDP", "EP", "FSDP+EP"])
 def test_a_dropless_transformer_trains_as_on_one_device(name: str) -> None:
     """float32 losses of the same sums in another order: a few ulps of values near 4."""
     import nnxscale as nx
@@ -194,13 +194,103 @@ def test_the_z_loss_enters_the_training_loss_with_its_weight() -> None:
     assert losses[1] > losses[0]
 
 
-@pytest.mark.parametrize("name", ["EP", "FSDP+EP"])
-def test_rules_that_split_the_experts_are_refused_with_the_way_out(name: str) -> None:
+def ep_case(shape: tuple[int, int], explicit: bool = True):
+    """A dropless layer of 8 experts, 8 sequences of 12 tokens split over a data x expert
+    mesh, and the layer's loss (sum of squares plus the balance loss) by expert parallelism."""
     import nnxscale as nx
+    from nnxscale.placement.layout import activation_rules
 
-    trainer = dropless_trainer(nx.rules.STRATEGIES[name])
-    with pytest.raises(moe.MoEError, match="no token exchange for dropless routing"):
-        trainer.train(nx.book_batches(8), 1)
+    kind = jax.sharding.AxisType.Explicit if explicit else jax.sharding.AxisType.Auto
+    mesh = jax.make_mesh(shape, ("data", "expert"), axis_types=(kind, kind))
+    w = weights(8)
+    x = jax.random.normal(jax.random.key(1), (8, 12, D))
+    x = jax.device_put(
+        x, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(("data", "expert")))
+    )
+
+    def loss(x, *w):
+        with activation_rules(nx.EP, mesh):
+            y, routed = dropless.expert_parallel(x, w, top_k=2, block=4)
+        return jnp.sum(y**2) + routed.aux_loss.mean(), routed
+
+    return mesh, x, w, loss
+
+
+def one_device_loss(x, *w):
+    y, routed = jax.vmap(lambda g: dropless.dropless(g, *w, top_k=2, block=4))(x)
+    return jnp.sum(y**2) + routed.aux_loss.mean()
+
+
+@pytest.mark.parametrize("shape, explicit", [((1, 8), True), ((2, 4), True), ((2, 4), False)])
+def test_expert_parallelism_equals_one_device_in_loss_and_gradients(shape, explicit) -> None:
+    """float32 sums of the same products in another order: the loss sums 1,536 squares, whose
+    rounding grows about as sqrt(1536) x 6e-8 = 2e-6 of the total; 1e-5 allows five times it."""
+    _, x, w, loss = ep_case(shape, explicit)
+    grad = jax.value_and_grad(lambda *a: loss(*a)[0], argnums=range(5))
+    (value, grads), routed = jax.jit(grad)(x, *w), jax.jit(loss)(x, *w)[1]
+    reference = jax.jit(jax.value_and_grad(one_device_loss, argnums=range(5)))
+    want, want_grads = reference(jnp.asarray(np.asarray(x)), *w)
+    np.testing.assert_allclose(value, want, rtol=1e-5)
+    for got, expected in zip(grads, want_grads, strict=True):
+        np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max())
+    assert float(routed.dropped.max()) == 0.0 and routed.load.sum() == 8 * 12 * 2
+
+
+def test_the_exchange_moves_the_formulas_bytes_all_padding_counted() -> None:
+    """Along `expert` (4 devices), each device's one sequence of 12 tokens: the counts, then
+    its k T = 24 copies in a buffer of 4 x 24 rows there and back (75% padding), and in the
+    backward pass the copies' gradients twice more; nothing else crosses `expert`."""
+    from nnxscale.analysis.hlo import collectives
+
+    mesh, x, w, loss = ep_case((2, 4))
+    counts, copies = dropless.exchange_bytes(12, 2, D, 4, 8, 4)
+    assert (counts, copies) == (32, 2 * 4 * 24 * D * 4)
+    value = lambda *a: loss(*a)[0]  # noqa: E731
+    for program, moved in [(value, copies), (jax.grad(value, argnums=range(5)), 2 * copies)]:
+        found = collectives(jax.jit(program).lower(x, *w).compile())
+        along = found.along(mesh, "all-to-all", ("expert",))
+        assert sum(c.array_bytes for c in along) == counts + moved
+        assert sum(c.array_bytes for c in along if c.dtypes[0] == "f32") == moved
+        assert {k for k, _ in found.by_axes(mesh)} <= {"all-to-all", "all-reduce"}
+
+
+def test_the_receiver_reads_each_rows_expert_off_the_counts() -> None:
+    """Copies sorted by expert in each destination's slice; the counts sent first give back
+    every arrived row's expert, and the padding rows none."""
+    chosen = jnp.array([[3, 0], [1, 3], [2, 1]])  # 3 tokens, 4 experts on 2 devices
+    slots, counts = dropless.send_layout(chosen, 4, 2)
+    np.testing.assert_array_equal(counts, [[1, 2], [1, 2]])
+    np.testing.assert_array_equal(slots, [[7, 0], [1, 8], [6, 2]])  # slices of 6 rows
+    for device in range(2):
+        got = dropless.received_experts(counts[device][None], 6)
+        sent = np.full(6, 2)
+        for (t, j), slot in np.ndenumerate(np.asarray(slots)):
+            if slot // 6 == device:
+                sent[slot % 6] = chosen[t, j] % 2
+        np.testing.assert_array_equal(got, sent)
+
+
+def test_an_expert_count_or_a_split_the_exchange_cannot_take_is_refused() -> None:
+    import nnxscale as nx
+    from nnxscale.placement.layout import activation_rules
+
+    mesh, x, w, _ = ep_case((1, 8))
+    with activation_rules(nx.EP, mesh), pytest.raises(moe.MoEError, match="cannot be split evenly"):
+        dropless.expert_parallel(x, weights(6), top_k=2, block=4)
+    split_length = nx.Rules(
+        "EP+CP",
+        {**nx.EP.logical, "batch": ("expert",), "residual_length": ("data",)},
+        axes=nx.EP.axes,
+    )
+    mesh = jax.make_mesh((2, 4), ("data", "expert"))
+    x = jax.device_put(
+        x, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("expert", "data"))
+    )
+    with (
+        activation_rules(split_length, mesh),
+        pytest.raises(moe.MoEError, match="keep the sequence"),
+    ):
+        dropless.expert_parallel(x, w, top_k=2, block=4)
 
 
 def test_the_cost_model_refuses_a_dropless_mixture_by_name() -> None:
@@ -210,3 +300,9 @@ def test_the_cost_model_refuses_a_dropless_mixture_by_name() -> None:
     cfg = nx.TINY.replace(experts=4, top_k=2, routing="dropless")
     with pytest.raises(ValueError, match="not a dropless mixture's blocks"):
         costs.step_cost(cfg, costs.Setup.of(nx.DP, {"data": 1}), "H100", 8, 32)
+
+
+def test_the_layer_reads_its_input_by_the_residual_streams_names() -> None:
+    from nnxscale.model.transformer import RESIDUAL
+
+    assert dropless.INPUT == RESIDUAL

@@ -21,6 +21,16 @@ of 512 rows, and 487 to 496 by GShard's capacity dispatch at a factor of 1.25 (1
 dispatch products included), which drops what overflows. Dropless costs the padding and a
 scan; it buys no dropped token and memory linear in the tokens.
 
+Expert parallelism (rules that split `experts` over a mesh axis, EP and FSDP+EP) runs the layer
+in `jax.shard_map`: each device routes its own sequences, tells every device how many copies it
+will send to each of its experts (an all-to-all of counts), then sends the copies (an
+all-to-all), computes what its experts received and sends the results back (a third). The
+buffers have static shapes, so each destination's slice holds all k T of the device's copies,
+the most that could go there: the exchange moves n times the copies' bytes over an axis of n,
+padding that `jax.lax.ragged_all_to_all` would not send, but which XLA's CPU backend does not
+implement (measured: UNIMPLEMENTED on jaxlib 0.12). A device's blocks past those that received
+rows are skipped at run time.
+
 Options beside the top-k routing: shared experts that every token passes through (DeepSeek,
 Qwen), the router's z-loss (ST-MoE: the mean squared log-sum-exp of its logits, which keeps
 them small). The load-balancing loss is Switch's E sum_e f_e P_e with f_e the share of all
@@ -38,9 +48,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
+from jax.sharding import NamedSharding, PartitionSpec
 
-from nnxscale.model.moe import MoEError, largest
-from nnxscale.placement.layout import activation_axis
+from nnxscale.model.moe import MoEError, check_experts, largest
+from nnxscale.placement.layout import activation_axis, activation_spec
+from nnxscale.placement.mesh import constrain_to
 
 
 def blocks(assignments: int, experts: int, block: int) -> int:
@@ -82,28 +94,43 @@ def sort_by_expert(chosen: jax.Array, gates: jax.Array, experts: int, block: int
     return Sorted(rows.reshape(chosen.shape), owner, load, gates, chosen)
 
 
+INPUT = ("batch", "residual_length", "embed")
+"""The logical names of the layer's input: the residual stream's (`transformer.RESIDUAL`)."""
+
 PRODUCTS = jax.checkpoint_policies.save_only_these_names("expert product")
 """What a block's step keeps for the backward pass: its rows (the step's input) and its
 gate and up products, not its expert's weights."""
 
 
 def grouped_swiglu(
-    x: jax.Array, owner: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array
+    x: jax.Array,
+    owner: jax.Array,
+    gate: jax.Array,
+    up: jax.Array,
+    down: jax.Array,
+    used: jax.Array | None = None,
 ) -> jax.Array:
     """Each block of rows of `x` (blocks x block x d) through its owner's SwiGLU network, one
     block a step of a scan (the products of the rows alone, on any backend). The backward
     pass keeps each block's values but not its expert's weights, which it slices again: kept,
-    they would cost a copy of an expert per block."""
+    they would cost a copy of an expert per block. Given `used`, the blocks from that index
+    on are skipped at run time (a conditional; their rows come out zero)."""
     dtype = x.dtype
 
-    @partial(jax.checkpoint, policy=PRODUCTS)
-    def step(_: None, inputs: tuple[jax.Array, jax.Array]) -> tuple[None, jax.Array]:
-        rows, e = inputs
+    def swiglu(rows: jax.Array, e: jax.Array) -> jax.Array:
         gated = checkpoint_name(rows @ gate[e].astype(dtype), "expert product")
         hidden = jax.nn.silu(gated) * checkpoint_name(rows @ up[e].astype(dtype), "expert product")
-        return None, hidden @ down[e].astype(dtype)
+        return hidden @ down[e].astype(dtype)
 
-    return jax.lax.scan(step, None, (x, owner))[1]
+    @partial(jax.checkpoint, policy=PRODUCTS)
+    def step(i: jax.Array, inputs: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
+        rows, e = inputs
+        if used is None:
+            return i + 1, swiglu(rows, e)
+        return i + 1, jax.lax.cond(i < used, swiglu, lambda r, _: jnp.zeros_like(r), rows, e)
+
+    start = jnp.zeros((), jnp.int32) if used is None else jnp.zeros_like(used)
+    return jax.lax.scan(step, start, (x, owner))[1]
 
 
 @jax.tree_util.register_dataclass
@@ -162,6 +189,133 @@ def dropless(
     picked = out.reshape(n * block, d)[placed.rows]  # tokens x k x d
     y = jnp.einsum("tk,tkd->td", gates.astype(x.dtype), picked)
     return y, dataclasses.replace(routed, dropped=lost(placed.rows, n * block))
+
+
+def send_layout(chosen: jax.Array, experts: int, devices: int) -> tuple[jax.Array, jax.Array]:
+    """Where each of the k copies of a device's tokens goes in its send buffer, and how many
+    copies go to each expert of each device. The buffer holds `devices` slices of k T rows,
+    one per destination, each big enough for all of them: slice j's copies first, sorted by
+    expert, then padding. Returns the copies' rows (T x k) and the counts (devices x E / n)."""
+    flat = chosen.reshape(-1)
+    local = experts // devices
+    load = jnp.sum(jax.nn.one_hot(flat, experts, dtype=jnp.int32), axis=0)
+    rank = jnp.zeros_like(flat).at[jnp.argsort(flat, stable=True)].set(jnp.arange(flat.size))
+    to = flat // local
+    per_device = load.reshape(devices, local).sum(axis=1)
+    first = jnp.cumsum(per_device) - per_device  # each device's first copy in sorted order
+    rows = to * flat.size + rank - first[to]
+    return rows.reshape(chosen.shape), load.reshape(devices, local)
+
+
+def received_experts(counts: jax.Array, capacity: int) -> jax.Array:
+    """The local expert of each received row, from the counts each source sent first (its
+    rows arrive sorted by expert); `counts.shape[1]` (no expert) for a padding row."""
+    ends = jnp.cumsum(counts, axis=1)
+    row = jnp.arange(capacity)
+    return jax.vmap(lambda e: jnp.searchsorted(e, row, side="right"))(ends).reshape(-1)
+
+
+def _exchanged(
+    rows: jax.Array, counts: jax.Array, weights: tuple[jax.Array, ...], axis: str, block: int
+) -> jax.Array:
+    """One device's part of the exchange: the counts, then the rows (devices x k T x d) go
+    to their experts' devices (two all-to-alls); its own experts compute what arrived, sorted
+    into blocks of `block` rows (padding rows skipped); the results go back the same way."""
+    tiled = partial(jax.lax.all_to_all, axis_name=axis, split_axis=0, concat_axis=0, tiled=True)
+    devices, capacity, d = rows.shape
+    local = counts.shape[1]
+    expert = received_experts(tiled(counts), capacity)
+    placed = sort_by_expert(expert[:, None], expert[:, None], local + 1, block)
+    used = jnp.sum(-(-placed.load[:local] // block))  # blocks of rows that arrived
+    n = placed.owner.shape[0]
+    arrived = tiled(rows).reshape(-1, d)
+    inputs = jnp.zeros((n * block, d), rows.dtype).at[placed.rows[:, 0]].set(arrived)
+    owner = jnp.minimum(placed.owner, local - 1)
+    out = grouped_swiglu(inputs.reshape(n, block, d), owner, *weights, used=used)
+    back = out.reshape(n * block, d)[placed.rows[:, 0]]
+    return tiled(back.reshape(devices, capacity, d))
+
+
+def exchange_bytes(
+    tokens: int, top_k: int, embed: int, devices: int, experts: int, itemsize: int
+) -> tuple[int, int]:
+    """Bytes of the arrays one device's all-to-alls hold in one layer's forward pass, for
+    `tokens` tokens on the device: (the counts, int32, devices x experts / devices; the copies,
+    sent there and back, each a buffer of devices x k T rows of `embed`). The backward pass
+    moves the copies' gradients twice more (2 x the copies' bytes) and no counts."""
+    return experts * 4, 2 * devices * top_k * tokens * embed * itemsize
+
+
+def _varying_like(w: jax.Array, x: jax.Array) -> jax.Array:
+    """`w` marked as varying over every mesh axis `x` varies over, inside `jax.shard_map`."""
+    have, want = (jax.typeof(a).manual_axis_type.varying for a in (w, x))
+    missing = tuple(sorted(want - have))
+    return jax.lax.pcast(w, missing, to="varying") if missing else w
+
+
+def expert_parallel_local(
+    x: jax.Array,
+    router: jax.Array,
+    gate: jax.Array,
+    up: jax.Array,
+    down: jax.Array,
+    *,
+    axis: str,
+    top_k: int,
+    block: int,
+) -> tuple[jax.Array, Routed]:
+    """The program one device runs inside `jax.shard_map`: route its sequences (x: groups x
+    tokens x d, each group routed on its own, as on one device), send every copy to the
+    device of its expert and back (`_exchanged`), and weigh the results by the gates."""
+    groups, tokens, d = x.shape
+    devices, experts = jax.lax.axis_size(axis), router.shape[1]
+    # Varying over the tokens' axes from the start: the gradients' sums over those axes then
+    # run once, after the pass, not inside a block that only some devices compute.
+    router, gate, up, down = (_varying_like(w, x) for w in (router, gate, up, down))
+    logits = x.astype(jnp.float32) @ router
+    gates, chosen, routed = jax.vmap(lambda g: route(g, top_k))(logits)
+    slots, counts = send_layout(chosen.reshape(-1, top_k), experts, devices)
+    copies = jnp.broadcast_to(x[:, :, None], (groups, tokens, top_k, d)).reshape(-1, d)
+    capacity = copies.shape[0]
+    send = jnp.zeros((devices * capacity, d), x.dtype).at[slots.reshape(-1)].set(copies)
+    back = _exchanged(send.reshape(devices, capacity, d), counts, (gate, up, down), axis, block)
+    picked = back.reshape(-1, d)[slots].reshape(groups, tokens, top_k, d)
+    y = jnp.einsum("gtk,gtkd->gtd", gates.astype(x.dtype), picked)
+    dropped = jnp.broadcast_to(lost(slots, devices * capacity), (groups,))
+    return y, dataclasses.replace(routed, dropped=dropped)
+
+
+def expert_parallel(
+    x: jax.Array,
+    weights: tuple[jax.Array, ...],
+    *,
+    top_k: int,
+    block: int,
+) -> tuple[jax.Array, Routed]:
+    """The dropless layer on `x` (groups x tokens x d) under rules that split the experts over
+    a mesh axis: in `jax.shard_map` over the active mesh, each device routes its own groups
+    and exchanges the copies with the devices of their experts (`expert_parallel_local`).
+    The experts are read split over that axis alone (gathered over any other, as FSDP does)
+    and the router whole; the groups stay as the rules split them, their tokens whole."""
+    axis, devices = activation_axis("experts")
+    check_experts(weights[0].shape[1], devices, axis)
+    spec, mesh = activation_spec(x.shape, INPUT)
+    if any(tuple(spec)[1:]):
+        raise MoEError(
+            f"dropless expert parallelism routes each device's whole sequences, and the rules "
+            f"split them as {spec}: keep the sequence and embedding dimensions whole (EP or "
+            "FSDP+EP rules)."
+        )
+    rows = PartitionSpec(*tuple(spec)[:1])
+    specs = (PartitionSpec(), *[PartitionSpec(axis)] * 3)
+    weights = tuple(
+        constrain_to(w, NamedSharding(mesh, s)) for w, s in zip(weights, specs, strict=True)
+    )
+    routed = Routed(*[rows] * 5)
+    body = partial(expert_parallel_local, axis=axis, top_k=top_k, block=block)
+    return jax.shard_map(body, mesh=mesh, in_specs=(spec, *specs), out_specs=(spec, routed))(
+        x, *weights
+    )
 
 
 def lost(rows: jax.Array, capacity: int) -> jax.Array:
@@ -235,20 +389,13 @@ class Dropless(nnx.Module):
         """The layer's output for `x` (groups x tokens x d), each group routed on its own, and
         how it routed them (losses averaged over the groups)."""
 
-        split = activation_axis("experts")
-        if split is not None:
-            raise MoEError(
-                f"dropless experts under rules that split them (over {split[0]!r}) would "
-                "gather every expert onto every device: the library has no token exchange "
-                "for dropless routing. Use DP or FSDP rules, or routing='capacity' (GShard's) "
-                "for expert parallelism."
-            )
         weights = (self.router[...], self.gate[...], self.up[...], self.down[...])
-
-        def one(group: jax.Array) -> tuple[jax.Array, Routed]:
-            return dropless(group, *weights, top_k=self.top_k, block=self.block)
-
-        y, routed = jax.vmap(one)(x)
+        if activation_axis("experts") is not None:
+            y, routed = expert_parallel(x, weights, top_k=self.top_k, block=self.block)
+        else:
+            y, routed = jax.vmap(
+                lambda group: dropless(group, *weights, top_k=self.top_k, block=self.block)
+            )(x)
         if self.shared is not None:
             y = y + self.shared(x)
         means = {k: getattr(routed, k).mean() for k in ("aux_loss", "z_loss", "dropped")}
