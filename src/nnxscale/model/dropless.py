@@ -33,9 +33,11 @@ rows are skipped at run time.
 
 Options beside the top-k routing: shared experts that every token passes through (DeepSeek,
 Qwen), the router's z-loss (ST-MoE: the mean squared log-sum-exp of its logits, which keeps
-them small). The load-balancing loss is Switch's E sum_e f_e P_e with f_e the share of all
-k T copies that expert e received (DeepSeek's form); GShard's in `nnxscale.moe` counts first
-choices only.
+them small), and a router bias that balances the experts without a loss (DeepSeek-V3: the
+bias is added to the scores only to choose, and each step moves it by a fixed rate toward the
+experts that received fewer copies; `RouterBias`). The load-balancing loss is Switch's
+E sum_e f_e P_e with f_e the share of all k T copies that expert e received (DeepSeek's form);
+GShard's in `nnxscale.moe` counts first choices only.
 """
 
 from __future__ import annotations
@@ -148,15 +150,72 @@ class Routed:
     dropped: jax.Array
 
 
-def route(logits: jax.Array, top_k: int) -> tuple[jax.Array, jax.Array, Routed]:
+class RouterBias(nnx.Variable):
+    """A router's per-expert bias for choosing experts, not for weighing them: DeepSeek-V3's
+    balance without an auxiliary loss. The loss does not train it. Its gradient carries the
+    copies each expert received in the step (`loads_as_gradient`), summed over micro-batches
+    and devices as gradients are, and the train step moves it by its `rate` metadata toward
+    the experts that received fewer than the mean (`rebalance`)."""
+
+
+@jax.custom_vjp
+def loads_as_gradient(bias: jax.Array, load: jax.Array) -> jax.Array:
+    """`bias` itself, whose gradient is `load`, whatever the loss: how the loads of a step
+    reach the step that moves the bias."""
+    return bias
+
+
+def _loads_forward(bias: jax.Array, load: jax.Array) -> tuple[jax.Array, jax.Array]:
+    return bias, load
+
+
+def _loads_backward(load: jax.Array, _: jax.Array) -> tuple[jax.Array, jax.Array]:
+    return load, jnp.zeros_like(load)
+
+
+loads_as_gradient.defvjp(_loads_forward, _loads_backward)
+
+
+def rebalance(model: nnx.Module, grads: nnx.State) -> None:
+    """Move every `RouterBias` of `model` by its rate toward balance, from the loads in its
+    gradient slot: b += rate x sign(mean load - load) (DeepSeek-V3's rule)."""
+    loads = dict(nnx.to_flat_state(nnx.state(grads, RouterBias)))
+    moved = []
+    for path, bias in nnx.to_flat_state(nnx.state(model, RouterBias)):
+        load = loads[path][...]
+        step = bias.get_metadata()["rate"] * jnp.sign(load.mean(-1, keepdims=True) - load)
+        moved.append((path, bias.replace(bias[...] + step)))
+    nnx.update(model, nnx.from_flat_state(moved))
+
+
+def with_loads(routed: Routed, bias: jax.Array | None) -> Routed:
+    """`routed`, whose balance loss gains zero times the `bias` passed through
+    `loads_as_gradient`: the bias's gradient is then the copies its experts received in all
+    of `routed`'s groups (summed here, outside any `vmap` over them)."""
+    if bias is None:
+        return routed
+    load = routed.load.reshape(-1, routed.load.shape[-1]).sum(0).astype(jnp.float32)
+    probe = 0.0 * jnp.sum(loads_as_gradient(bias, load))
+    return dataclasses.replace(routed, aux_loss=routed.aux_loss + probe)
+
+
+def route(
+    logits: jax.Array, top_k: int, bias: jax.Array | None = None
+) -> tuple[jax.Array, jax.Array, Routed]:
     """Top-k routing of `logits` (tokens x experts): the gates (softmax probabilities,
-    renormalised over the k choices when k > 1), the choices, and the losses."""
+    renormalised over the k choices when k > 1), the choices, and the losses. With a `bias`
+    (experts), the choices are the top k of the probabilities plus the bias, the gates still
+    the probabilities (`with_loads` makes the loads the bias's gradient)."""
     tokens, experts = logits.shape
     if not 1 <= top_k <= experts:
         raise MoEError(f"top_k={top_k} with {experts} experts: use 1 <= top_k <= {experts}.")
     logits = logits.astype(jnp.float32)
     probs = jax.nn.softmax(logits, axis=-1)
-    gates, chosen = largest(probs, top_k)
+    if bias is None:
+        gates, chosen = largest(probs, top_k)
+    else:
+        chosen = largest(probs + jax.lax.stop_gradient(bias), top_k)[1]
+        gates = jnp.take_along_axis(probs, chosen, axis=-1)
     if top_k > 1:
         gates = gates / gates.sum(axis=-1, keepdims=True)
     load = jnp.sum(jax.nn.one_hot(chosen, experts, dtype=jnp.int32), axis=(0, 1))
@@ -175,12 +234,14 @@ def dropless(
     *,
     top_k: int,
     block: int,
+    bias: jax.Array | None = None,
 ) -> tuple[jax.Array, Routed]:
-    """The dropless layer on one group of tokens (x: tokens x d): route, sort the k copies
-    into blocks, run each block through its expert, gather back and weigh by the gates."""
+    """The dropless layer on one group of tokens (x: tokens x d): route (by the router's
+    `bias` too, if given), sort the k copies into blocks, run each block through its expert,
+    gather back and weigh by the gates."""
     tokens, d = x.shape
     experts = router.shape[1]
-    gates, chosen, routed = route(x.astype(jnp.float32) @ router, top_k)
+    gates, chosen, routed = route(x.astype(jnp.float32) @ router, top_k, bias)
     placed = sort_by_expert(chosen, gates, experts, block)
     n = placed.owner.shape[0]
     copies = jnp.broadcast_to(x[:, None, :], (tokens, top_k, d)).reshape(-1, d)
@@ -259,6 +320,7 @@ def expert_parallel_local(
     gate: jax.Array,
     up: jax.Array,
     down: jax.Array,
+    bias: jax.Array | None = None,
     *,
     axis: str,
     top_k: int,
@@ -273,7 +335,9 @@ def expert_parallel_local(
     # run once, after the pass, not inside a block that only some devices compute.
     router, gate, up, down = (_varying_like(w, x) for w in (router, gate, up, down))
     logits = x.astype(jnp.float32) @ router
-    gates, chosen, routed = jax.vmap(lambda g: route(g, top_k))(logits)
+    if bias is not None:
+        bias = _varying_like(bias, x)
+    gates, chosen, routed = jax.vmap(lambda g: route(g, top_k, bias))(logits)
     slots, counts = send_layout(chosen.reshape(-1, top_k), experts, devices)
     copies = jnp.broadcast_to(x[:, :, None], (groups, tokens, top_k, d)).reshape(-1, d)
     capacity = copies.shape[0]
@@ -282,7 +346,7 @@ def expert_parallel_local(
     picked = back.reshape(-1, d)[slots].reshape(groups, tokens, top_k, d)
     y = jnp.einsum("gtk,gtkd->gtd", gates.astype(x.dtype), picked)
     dropped = jnp.broadcast_to(lost(slots, devices * capacity), (groups,))
-    return y, dataclasses.replace(routed, dropped=dropped)
+    return y, with_loads(dataclasses.replace(routed, dropped=dropped), bias)
 
 
 def expert_parallel(
@@ -291,6 +355,7 @@ def expert_parallel(
     *,
     top_k: int,
     block: int,
+    bias: jax.Array | None = None,
 ) -> tuple[jax.Array, Routed]:
     """The dropless layer on `x` (groups x tokens x d) under rules that split the experts over
     a mesh axis: in `jax.shard_map` over the active mesh, each device routes its own groups
@@ -307,7 +372,8 @@ def expert_parallel(
             "FSDP+EP rules)."
         )
     rows = PartitionSpec(*tuple(spec)[:1])
-    specs = (PartitionSpec(), *[PartitionSpec(axis)] * 3)
+    weights += () if bias is None else (bias,)
+    specs = (PartitionSpec(), *[PartitionSpec(axis)] * 3, PartitionSpec())[: len(weights)]
     weights = tuple(
         constrain_to(w, NamedSharding(mesh, s)) for w, s in zip(weights, specs, strict=True)
     )
@@ -352,7 +418,9 @@ def dense_reference(
 class Dropless(nnx.Module):
     """A dropless mixture-of-experts feed-forward layer: a router, `experts` stacked SwiGLU
     MLPs (gate, up, down, with the logical axis `experts`) and, if `shared` is given, shared
-    experts: a module (the Transformer's dense MLP, wider) that every token passes through."""
+    experts: a module (the Transformer's dense MLP, wider) that every token passes through.
+    With a `bias_rate`, the router chooses by a `RouterBias` too, which each train step moves
+    by that rate toward balance (DeepSeek-V3's rule, which uses 0.001)."""
 
     def __init__(
         self,
@@ -363,6 +431,7 @@ class Dropless(nnx.Module):
         top_k: int = 2,
         shared: nnx.Module | None = None,
         block: int = 8,
+        bias_rate: float = 0.0,
         rngs: nnx.Rngs,
     ) -> None:
         if experts < 1:
@@ -384,18 +453,24 @@ class Dropless(nnx.Module):
         self.down = stacked(experts, mlp, embed, ("experts", "mlp", "embed"))
         self.shared = shared
         self.top_k, self.block = top_k, block
+        bias = RouterBias(jnp.zeros(experts), rate=bias_rate, out_sharding=(None,))
+        self.bias = bias if bias_rate > 0 else None
 
     def __call__(self, x: jax.Array) -> tuple[jax.Array, Routed]:
         """The layer's output for `x` (groups x tokens x d), each group routed on its own, and
         how it routed them (losses averaged over the groups)."""
 
         weights = (self.router[...], self.gate[...], self.up[...], self.down[...])
+        options = {
+            "top_k": self.top_k,
+            "block": self.block,
+            "bias": None if self.bias is None else self.bias[...],
+        }
         if activation_axis("experts") is not None:
-            y, routed = expert_parallel(x, weights, top_k=self.top_k, block=self.block)
+            y, routed = expert_parallel(x, weights, **options)
         else:
-            y, routed = jax.vmap(
-                lambda group: dropless(group, *weights, top_k=self.top_k, block=self.block)
-            )(x)
+            y, routed = jax.vmap(lambda group: dropless(group, *weights, **options))(x)
+            routed = with_loads(routed, options["bias"])
         if self.shared is not None:
             y = y + self.shared(x)
         means = {k: getattr(routed, k).mean() for k in ("aux_loss", "z_loss", "dropped")}

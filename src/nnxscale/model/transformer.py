@@ -111,9 +111,11 @@ class Config:
     shared_experts: int = 0
     z_weight: float = 0.0
     expert_block: int = 8
+    bias_rate: float = 0.0
     """Dropless only: the width of the shared experts every token passes through, in units of
     `mlp` (0: none); the weight of the router's z-loss (ST-MoE uses 0.001); the rows of a
-    block (the padding is less than one block per expert)."""
+    block (the padding is less than one block per expert); the step of a router bias that
+    balances the experts (`dropless.RouterBias`; 0: none, DeepSeek-V3 uses 0.001)."""
 
     def __post_init__(self) -> None:
         problem = config_problem(self)
@@ -170,21 +172,24 @@ def _mixture_problem(cfg: Config) -> str:
     """What is wrong with `cfg`'s mixture settings, naming the fix, or ""."""
     if cfg.routing not in ROUTINGS:
         return f"routing={cfg.routing!r}: use one of {', '.join(ROUTINGS)}"
-    if not (0 <= cfg.z_weight < float("inf")) or cfg.shared_experts < 0 or cfg.expert_block < 1:
+    finite = all(0 <= w < float("inf") for w in (cfg.z_weight, cfg.bias_rate))
+    if not finite or cfg.shared_experts < 0 or cfg.expert_block < 1:
         return (
-            f"z_weight={cfg.z_weight}, shared_experts={cfg.shared_experts}, expert_block="
-            f"{cfg.expert_block}: use a finite z_weight >= 0, shared_experts >= 0 and "
-            "expert_block >= 1"
+            f"z_weight={cfg.z_weight}, bias_rate={cfg.bias_rate}, shared_experts="
+            f"{cfg.shared_experts}, expert_block={cfg.expert_block}: use a finite z_weight "
+            ">= 0 and bias_rate >= 0, shared_experts >= 0 and expert_block >= 1"
         )
-    if not cfg.experts and (cfg.routing != "capacity" or cfg.shared_experts or cfg.z_weight):
+    dropless_only = cfg.shared_experts or cfg.z_weight or cfg.bias_rate
+    if not cfg.experts and (cfg.routing != "capacity" or dropless_only):
         return (
             f"routing={cfg.routing!r}, shared_experts={cfg.shared_experts}, z_weight="
-            f"{cfg.z_weight} configure a mixture of experts: set experts > 0"
+            f"{cfg.z_weight}, bias_rate={cfg.bias_rate} configure a mixture of experts: set "
+            "experts > 0"
         )
-    if cfg.routing == "capacity" and (cfg.shared_experts or cfg.z_weight):
+    if cfg.routing == "capacity" and dropless_only:
         return (
-            "shared_experts and z_weight belong to dropless routing: set routing='dropless' "
-            "or leave them at 0"
+            "shared_experts, z_weight and bias_rate belong to dropless routing: set "
+            "routing='dropless' or leave them at 0"
         )
     return ""
 
@@ -364,7 +369,7 @@ def _feed_forward(cfg: Config, rngs: nnx.Rngs) -> nnx.Module:
     if cfg.routing == "dropless":
         wide = cfg.shared_experts * cfg.mlp
         shared = MLP(cfg.replace(mlp=wide), rngs=rngs) if wide else None
-        extra = {"shared": shared, "block": cfg.expert_block}
+        extra = {"shared": shared, "block": cfg.expert_block, "bias_rate": cfg.bias_rate}
         return Dropless(*sizes, top_k=cfg.top_k, rngs=rngs, **extra)
     return MoE(*sizes, top_k=cfg.top_k, capacity_factor=cfg.capacity_factor, rngs=rngs)
 

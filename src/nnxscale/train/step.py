@@ -16,6 +16,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from nnxscale.core.trees import flat
+from nnxscale.model.dropless import RouterBias, rebalance
 from nnxscale.model.losses import GradsFn, LossFn, next_token_loss
 from nnxscale.placement.compiling import run_under
 from nnxscale.placement.init import abstract
@@ -60,11 +61,18 @@ def split_micro_batches(batch: Any, k: int) -> Any:
     return jax.tree.map(split, batch)
 
 
-def mean_loss(model: nnx.Module, loss_fn: LossFn) -> Callable[..., jax.Array]:
-    """`loss(params, batch, key)`: `loss_fn` of `model` with `params` for its parameters and
-    `key` for its dropout stream (`nnx.Rngs(dropout=key)`, or None without dropout), refused
-    unless it is a scalar."""
-    graphdef, _, rest = nnx.split(model, nnx.Param, ...)
+DIFFERENTIATED = nnx.Any(nnx.Param, RouterBias)
+"""What `loss_and_grads` differentiates: the parameters, and the router biases, whose
+gradients are the loads that move them (`nnxscale.dropless.RouterBias`)."""
+
+
+def mean_loss(
+    model: nnx.Module, loss_fn: LossFn, wrt: nnx.filterlib.Filter = nnx.Param
+) -> Callable[..., jax.Array]:
+    """`loss(params, batch, key)`: `loss_fn` of `model` with `params` (its `wrt` variables)
+    and `key` for its dropout stream (`nnx.Rngs(dropout=key)`, or None without dropout),
+    refused unless it is a scalar."""
+    graphdef, _, rest = nnx.split(model, wrt, ...)
 
     def loss(params: nnx.State, batch: Any, key: jax.Array | None) -> jax.Array:
         rngs = None if key is None else nnx.Rngs(dropout=key)
@@ -114,13 +122,14 @@ def loss_and_grads(
     if given, is where each micro-batch's gradients and their running sum go (ZeRO-2 splits
     them while the parameters stay whole); otherwise the compiler places them.
     """
-    params = nnx.state(model, nnx.Param)
-    loss_of = mean_loss(model, loss_fn)
+    params = nnx.state(model, DIFFERENTIATED)
+    loss_of = mean_loss(model, loss_fn, DIFFERENTIATED)
 
     def place(grads: nnx.State) -> nnx.State:
         if grad_shardings is None:
             return grads
-        return jax.tree.map(constrain_to, grads, grad_shardings)
+        weights = jax.tree.map(constrain_to, nnx.state(grads, nnx.Param), grad_shardings)
+        return nnx.merge_state(weights, nnx.state(grads, RouterBias))
 
     def loss_and_grads_of(batch: Any, key: jax.Array | None) -> tuple[jax.Array, nnx.State]:
         loss, grads = jax.value_and_grad(loss_of)(params, batch, key)
@@ -215,17 +224,27 @@ def train_step(
     key = ts.rngs.dropout() if dropout else None
     loss, grads = grads_fn(ts.model, batch, key, micro_batches)
     counter = ts.optimizer.step[...]
+    biased = bool(jax.tree.leaves(nnx.state(ts.model, RouterBias)))
+    if biased and not jax.tree.leaves(nnx.state(grads, RouterBias)):
+        raise ValueError(
+            "the model's router biases (Config.bias_rate) move by the loads that the "
+            "library's loss_and_grads returns as their gradients, and this gradient function "
+            "returns none: train with the default gradients, or set bias_rate=0."
+        )
 
     def update(values: nnx.State) -> nnx.State:
         ts = nnx.merge(graphdef, values)
         ts.optimizer.update(ts.model, grads)
+        if biased:
+            rebalance(ts.model, grads)
         decay = ts.ema_decay
         for path, param in params_by_path(ts.model).items():
             ts.ema[path][...] = decay * ts.ema[path][...] + (1 - decay) * param[...]
         return nnx.state(ts)
 
     with jax.named_scope("optimizer"):  # names the update's ops in profiles
-        finite = all_finite(loss, grads, trial_update(ts.optimizer, ts.model, grads))
+        weights = nnx.state(grads, nnx.Param)
+        finite = all_finite(loss, weights, trial_update(ts.optimizer, ts.model, grads))
         values = jax.lax.cond(finite, update, lambda values: values, nnx.state(ts))
         ts = nnx.merge(graphdef, values)
         ts.optimizer.step[...] = counter + 1
