@@ -25,6 +25,8 @@ from nnxscale.parallelism.schedules import (
     validate,
     zero_bubble,
     zero_bubble_formula,
+    zero_bubble_v,
+    zero_bubble_v_formula,
 )
 
 SHAPES = [(2, 2), (2, 8), (4, 4), (4, 8), (4, 16), (8, 8), (8, 32)]
@@ -149,11 +151,11 @@ def test_w_before_its_b_is_a_deadlock() -> None:
 
 def test_check_returns_every_row_it_verified() -> None:
     rows = check([(4, 8, 1), (4, 8, 2), (4, 2, 1)])
-    names = ["GPipe", "1F1B", "ZB-H1", "interleaved 1F1B (v=2)", "GPipe", "1F1B"]
+    names = ["GPipe", "1F1B", "ZB-H1", "interleaved 1F1B (v=2)", "ZB-V", "GPipe", "1F1B"]
     assert [row[0] for row in rows] == names  # ZB-H1's formula needs m >= p
     assert len(CHECK_COLUMNS) == len(rows[0])
     assert rows[0][1:4] == [4, 8, 1] and rows[0][4] == pytest.approx(3 / 11)
-    assert [row[6] for row in rows] == [8, 4, 4, 2 * 3 + 4 + 1, 2, 2]
+    assert [row[6] for row in rows] == [8, 4, 4, 2 * 3 + 4 + 1, 8, 2, 2]
 
 
 def test_expected_peaks_are_each_schedule_s_rule() -> None:
@@ -174,3 +176,34 @@ def test_check_fails_when_a_formula_is_wrong(monkeypatch) -> None:
     monkeypatch.setattr(schedules, "expected_peaks", lambda s: [s.micro_batches] * s.devices)
     with pytest.raises(AssertionError, match=r"1F1B at p=4, m=8.*peaks \[4, 3, 2, 1\]"):
         check([(4, 8, 1)])
+
+
+@pytest.mark.parametrize("p", [1, 2, 3, 4, 8])
+def test_zb_v_holds_two_stages_a_device_in_a_v_and_idles_a_sixth_of_1f1b(p) -> None:
+    """With F, B and W equal the idle share is (p-1)/(6m+p-1), against 1F1B's (p-1)/(m+p-1)
+    and ZB-H1's (p-1)/(3m+p-1); every device holds 2p half-stages, 1F1B's first device's p
+    stages; formulas checked to 1e-12 from m = 2p - 1 up."""
+    for m in (2 * p - 1, 2 * p, 3 * p, 8 * p):
+        schedule = zero_bubble_v(p, m)
+        assert [schedule.device_of(s) for s in range(2 * p)] == [*range(p), *reversed(range(p))]
+        timeline = simulate(schedule)
+        assert timeline.bubble() == pytest.approx(zero_bubble_v_formula(p, m), abs=1e-12)
+        assert timeline.peak_in_flight() == expected_peaks(schedule) == [2 * p] * p
+        assert timeline.makespan == 3 * m + (p - 1) / 2  # in stage-passes of F, B or W
+    if p > 1:
+        assert zero_bubble_v_formula(p, 8 * p) < zero_bubble_formula(p, 8 * p) / 1.9
+
+
+def test_zb_v_turns_on_the_last_device_and_ends_on_the_first() -> None:
+    schedule = zero_bubble_v(4, 8)
+    assert schedule.order[0][0] == Task(FORWARD, 0, 0)  # chunk 0 of device 0: stage 0
+    assert Task(FORWARD, 0, 7) in schedule.order[0]  # and the last stage, where the loss is
+    assert Task(FORWARD, 0, 4) in schedule.order[3]  # the turn: stages 3 and 4 on device 3
+    assert schedule.split and schedule.virtual == 2 and schedule.stages == 8
+
+
+def test_zb_v_needs_its_v_filled() -> None:
+    with pytest.raises(ScheduleError, match=r"ZB-V fills its V of 8 stages.*use m >= 7"):
+        zero_bubble_v(4, 6)
+    with pytest.raises(ScheduleError, match="at least 1"):
+        zero_bubble_v(0, 4)

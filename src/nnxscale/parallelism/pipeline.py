@@ -54,6 +54,11 @@ from nnxscale.placement.rules import FSDP_AXIS, PP, PP_FSDP, STAGE, Rules
 IDLE = 0
 """Branch 0 of every tick table: nothing to compute this tick."""
 
+SOURCES = (-1, 1, 0)
+"""Where a value a device receives comes from, as the sender's device minus its own: the
+previous device (-1: the forwards of a looped schedule, around the ring), the next one (1:
+its gradients, and the forwards of a V's second chunk), or itself (0: where a V turns)."""
+
 
 def pipeline_mesh(stages: int, fsdp_size: int = 0) -> Mesh:
     """A mesh of `stages` devices on `stage` (times `fsdp_size` on `fsdp` if given), Auto axes."""
@@ -126,10 +131,11 @@ class Ticks:
     chunk: np.ndarray  # the virtual stage on this device, 0 .. v - 1
     x_slot: np.ndarray  # the stage input read
     g_slot: np.ndarray  # the output gradient read
-    x_to: np.ndarray  # slot of the input arriving at the end of the tick, -1 if none
-    g_to: np.ndarray  # slot of the output gradient arriving at the end of the tick, -1 if none
+    x_to: np.ndarray  # per source (SOURCES), slot of the input arriving at the end of the
+    g_to: np.ndarray  # tick, -1 if none; the same for output gradients
     x_slots: int  # stage inputs held at most at once, on any device
     g_slots: int  # output gradients held at most at once, on any device
+    placement: str  # the schedule's: "looped" or "v"
 
     @property
     def count(self) -> int:
@@ -172,13 +178,14 @@ def tick_table(schedule: Schedule) -> Ticks:
     ticks, p, stages = int(timeline.makespan), schedule.devices, schedule.stages
     at: dict[Task, int] = {t: int(start) for runs in timeline.runs for t, start, _ in runs}
     release = WEIGHTS if schedule.split else BACKWARD
+    device = schedule.device_of
     x_lives = {  # stage input of (micro, stage): sent by the previous stage's forward
-        (i, s): (s % p, at[Task(FORWARD, i, s - 1)], at[Task(release, i, s)])
+        (i, s): (device(s), at[Task(FORWARD, i, s - 1)], at[Task(release, i, s)])
         for i in range(schedule.micro_batches)
         for s in range(1, stages)
     }
     g_lives = {  # output gradient of (micro, stage): sent by the next stage's backward
-        (i, s): (s % p, at[Task(BACKWARD, i, s + 1)], at[Task(release, i, s)])
+        (i, s): (device(s), at[Task(BACKWARD, i, s + 1)], at[Task(release, i, s)])
         for i in range(schedule.micro_batches)
         for s in range(stages - 1)
     }
@@ -191,9 +198,10 @@ def tick_table(schedule: Schedule) -> Ticks:
         name: np.zeros((ticks, p), np.int32)
         for name in ("branch", "micro", "chunk", "x_slot", "g_slot")
     }
-    x_to, g_to = np.full((ticks, p), -1, np.int32), np.full((ticks, p), -1, np.int32)
+    sources = len(SOURCES)
+    x_to, g_to = (np.full((ticks, p, sources), -1, np.int32) for _ in range(2))
     for task, t in at.items():
-        d = task.stage % p
+        d = device(task.stage)
         columns["branch"][t, d] = branches.index(roles[task]) + 1
         columns["micro"][t, d], columns["chunk"][t, d] = task.micro, task.stage // p
         key = (task.micro, task.stage)
@@ -201,10 +209,16 @@ def tick_table(schedule: Schedule) -> Ticks:
             columns["x_slot"][t, d] = x_slot_of[x_lives[key]]
         if key in g_lives:
             columns["g_slot"][t, d] = g_slot_of[g_lives[key]]
-    for life in x_lives.values():
-        x_to[life[1], life[0]] = x_slot_of[life]
-    for life in g_lives.values():
-        g_to[life[1], life[0]] = g_slot_of[life]
+
+    def source(sender: int, receiver: int, looped: int) -> int:
+        """A V's hand-overs go to a neighbour or stay; a looped schedule's inputs come from
+        the previous device and its gradients from the next, around a ring (`looped`)."""
+        return SOURCES.index(sender - receiver if schedule.placement == "v" else looped)
+
+    for (_, s), life in x_lives.items():
+        x_to[life[1], life[0], source(device(s - 1), life[0], -1)] = x_slot_of[life]
+    for (_, s), life in g_lives.items():
+        g_to[life[1], life[0], source(device(s + 1), life[0], 1)] = g_slot_of[life]
     return Ticks(
         tuple(branches),
         **columns,
@@ -212,6 +226,7 @@ def tick_table(schedule: Schedule) -> Ticks:
         g_to=g_to,
         x_slots=max(1, x_slots),
         g_slots=max(1, g_slots),
+        placement=schedule.placement,
     )
 
 
@@ -347,6 +362,7 @@ def tick(
     d: jax.Array,
     branches: Sequence[Callable[..., tuple]],
     tokens: jax.Array,
+    placement: str,
     ring: bool,
 ) -> tuple[Carry, None]:
     """One clock tick on device `d`: run its branch with `lax.switch`, then the two hand-overs."""
@@ -361,9 +377,30 @@ def tick(
     p = jax.lax.axis_size(STAGE)
     ahead = [(s, (s + 1) % p) for s in range(p if ring else p - 1)]
     back = [(b, a) for a, b in ahead]
-    xs = receive(xs, jax.lax.ppermute(y, STAGE, ahead), x_to)
-    gs = receive(gs, jax.lax.ppermute(g_x, STAGE, back), g_to)
+    if placement == "v":  # from either neighbour, and its own where the V turns
+        for source, value in enumerate(_sent(y, ahead, back)):
+            xs = receive(xs, value, x_to[source])
+        for source, value in enumerate(_sent(g_x, ahead, back)):
+            gs = receive(gs, value, g_to[source])
+    else:
+        xs = receive(xs, jax.lax.ppermute(y, STAGE, ahead), x_to[SOURCES.index(-1)])
+        gs = receive(gs, jax.lax.ppermute(g_x, STAGE, back), g_to[SOURCES.index(1)])
     return (xs, gs, grads, loss), None
+
+
+def _sent(value: jax.Array, ahead: list, back: list) -> tuple[jax.Array, ...]:
+    """What arrives from each of `SOURCES`: `value` sent one device on and one back (both are
+    sent, as one program runs on every device), and this device's own `value`."""
+    return jax.lax.ppermute(value, STAGE, ahead), jax.lax.ppermute(value, STAGE, back), value
+
+
+def mirrored(params: nnx.State) -> nnx.State:
+    """This device's layers with their second round swapped with the mirror device's (d and
+    p - 1 - d): the looped layout's stage p + d becomes the V's stage 2p - 1 - d. The weights
+    stay placed as for any looped schedule; a V pays a permute of half its layers a step."""
+    p = jax.lax.axis_size(STAGE)
+    mirror = [(d, p - 1 - d) for d in range(p)]
+    return on_layers(lambda w: w.at[1].set(jax.lax.ppermute(w[1], STAGE, mirror)), params)
 
 
 def stage_weights(shards: nnx.State, specs: nnx.State, inner: str | None) -> nnx.State:
@@ -390,7 +427,13 @@ def per_device(
     # Once per step, before the ticks; the transposes of `stage_weights` run once after them, on
     # the summed gradients: reduce-scatter over `fsdp`, then the shards of the arrays every
     # stage holds (embeddings, head) summed over `stage`.
-    params, to_shards = jax.vjp(lambda s: _one_run(stage_weights(s, specs, inner), virtual), shards)
+    v_shaped = ticks.placement == "v"
+
+    def local(s: nnx.State) -> nnx.State:
+        weights = stage_weights(s, specs, inner)
+        return _one_run(mirrored(weights) if v_shaped else weights, virtual)
+
+    params, to_shards = jax.vjp(local, shards)
     first = Branch(FORWARD, True, False, False)
     shape = jax.eval_shape(lambda: stage(params, None, tokens[0], branch=first)[0])
     varying = tuple(a for a in (STAGE, inner) if a)
@@ -408,7 +451,9 @@ def per_device(
         jax.tree.map(jnp.zeros_like, params),
         loss,
     )
-    step = functools.partial(tick, d=d, branches=branches, tokens=tokens, ring=virtual > 1)
+    step = functools.partial(
+        tick, d=d, branches=branches, tokens=tokens, placement=ticks.placement, ring=virtual > 1
+    )
     (_, _, grads, loss), _ = jax.lax.scan(step, start, tuple(map(jnp.asarray, ticks.rows())))
     axes = (STAGE, inner) if inner else STAGE
     return jax.lax.psum(loss, axes), to_shards(grads)[0]

@@ -1,10 +1,13 @@
-"""Pipeline schedules as plain data: GPipe, 1F1B, interleaved 1F1B and ZB-H1, checked and simulated.
+"""Pipeline schedules as plain data: GPipe, 1F1B, interleaved 1F1B, ZB-H1 and ZB-V, checked and
+simulated.
 
 A schedule says, for each pipeline device, the order in which it runs its tasks: the forward
 or backward pass of one micro-batch through one of its model stages. A zero-bubble schedule
 splits the backward pass in two: `B`, the input gradient the previous stage waits for, and
 `W`, the weight gradient nobody waits for, which can be deferred. With `v` virtual stages
-per device (interleaving), device `d` holds model stages `d, d + p, d + 2p, ...`. The same
+per device (interleaving), device `d` holds model stages `d, d + p, d + 2p, ...`; a V-shaped
+schedule (ZB-V) holds two, `d` and `2p - 1 - d`, so that the pass turns around on the last
+device and ends on the first, where it began. The same
 objects are validated (every task once, on the right device, no deadlock), simulated into a
 timeline with a bubble fraction and the peak number of micro-batches whose activations a
 device holds, drawn as Gantt charts, and run by the executor.
@@ -43,6 +46,7 @@ class Schedule:
     micro_batches: int
     virtual: int
     order: tuple[tuple[Task, ...], ...]
+    placement: str = "looped"  # or "v": device d holds stages d and 2p - 1 - d
 
     @property
     def stages(self) -> int:
@@ -51,7 +55,10 @@ class Schedule:
 
     def device_of(self, stage: int) -> int:
         """The device that holds model stage `stage`."""
-        return stage % self.devices
+        p = self.devices
+        if self.placement == "v" and stage >= p:
+            return 2 * p - 1 - stage
+        return stage % p
 
     @property
     def split(self) -> bool:
@@ -147,6 +154,52 @@ def zero_bubble(devices: int, micro_batches: int) -> Schedule:
         tasks += [Task(WEIGHTS, i, d) for i in range(max(0, micro_batches - d), micro_batches)]
         order.append(tuple(tasks))
     return Schedule("ZB-H1", devices, micro_batches, 1, tuple(order))
+
+
+def zero_bubble_v(devices: int, micro_batches: int) -> Schedule:
+    """ZB-V (Qi et al. 2024, section 6): two stages per device in a V, backward split in B and W.
+
+    Device d holds stages d (chunk 0) and 2p - 1 - d (chunk 1). It warms up with forwards on
+    chunk 0, then on both chunks, then fills the wait for its first gradients with chunk 1's
+    F, B and W; in the steady state it runs F, B, W on chunk 0 and then on chunk 1; it cools
+    down with the Bs the previous devices wait for, and the deferred Ws last. With F, B and W
+    of equal cost each device holds at most 2p chunks' activations, p stages' worth, as 1F1B's
+    first device does, and the idle share is (p - 1) / (6m + p - 1): a sixth of 1F1B's for
+    large m. The first device's V needs 2p - 1 micro-batches in flight: fewer are refused.
+    """
+    _check(devices, micro_batches)
+    p, m = devices, micro_batches
+    if m < 2 * p - 1:
+        raise ScheduleError(
+            f"ZB-V fills its V of {2 * p} stages with 2p - 1 = {2 * p - 1} micro-batches "
+            f"before the first device's first backward, and m={m}: use m >= {2 * p - 1}, or "
+            "1F1B or ZB-H1 for fewer micro-batches."
+        )
+    order = tuple(_zero_bubble_v_device(p, m, d) for d in range(p))
+    return Schedule("ZB-V", p, m, 2, order, placement="v")
+
+
+def _zero_bubble_v_device(p: int, m: int, d: int) -> tuple[Task, ...]:
+    """Device d's tasks in ZB-V: its chunk 0 is stage d, its chunk 1 stage 2p - 1 - d."""
+    chunks, done = (d, 2 * p - 1 - d), {(kind, c): 0 for kind in "FBW" for c in (0, 1)}
+    tasks: list[Task] = []
+
+    def run(*steps: tuple[str, int]) -> None:
+        for kind, c in steps:
+            tasks.append(Task(kind, done[kind, c], chunks[c]))
+            done[kind, c] += 1
+
+    run(*[(FORWARD, 0)] * (2 * (p - d) - 1))
+    run(*[(FORWARD, 1), (FORWARD, 0)] * d)
+    run(*[(FORWARD, 1), (BACKWARD, 1), (WEIGHTS, 1)] * (p - d))
+    while done[FORWARD, 1] < done[FORWARD, 0] or done[FORWARD, 0] < m:
+        run(*[(FORWARD, 0)] * (done[FORWARD, 0] < m))
+        run((BACKWARD, 0), (WEIGHTS, 0), (FORWARD, 1), (BACKWARD, 1), (WEIGHTS, 1))
+    run(*[(BACKWARD, 0), (BACKWARD, 1)] * d)
+    run(*[(BACKWARD, 0), (WEIGHTS, 0)] * (p - d))
+    run(*[(WEIGHTS, 1)] * (done[BACKWARD, 1] - done[WEIGHTS, 1]))
+    run(*[(WEIGHTS, 0)] * (done[BACKWARD, 0] - done[WEIGHTS, 0]))
+    return tuple(tasks)
 
 
 def dependencies(task: Task, stages: int) -> list[Task]:
@@ -289,6 +342,14 @@ def zero_bubble_formula(
     return idle / (micro_batches * (f + b + w) + idle)
 
 
+def zero_bubble_v_formula(devices: int, micro_batches: int) -> float:
+    """ZB-V's idle share with F, B and W of equal cost: (p - 1) / (6m + p - 1). Each device
+    computes 6m chunk tasks of half a stage each (3m stage-passes); the last device starts
+    p - 1 chunk forwards late and the first finishes as late after it, which is all the idle
+    time: (p - 1) / 2 stage-passes per device."""
+    return (devices - 1) / (6 * micro_batches + devices - 1)
+
+
 def split_layers(layers: int, stages: int) -> list[range]:
     """The layers of each model stage: equal consecutive runs, or an error saying what fits."""
     if stages < 1 or layers % stages:
@@ -303,8 +364,10 @@ def split_layers(layers: int, stages: int) -> list[range]:
 
 def expected_bubble(schedule: Schedule) -> float:
     """The idle share the literature gives for this schedule with equal F, B (and W) costs:
-    ZB-H1's (p-1)/(3m+p-1), else (p-1)/(vm+p-1)."""
+    ZB-V's (p-1)/(6m+p-1), ZB-H1's (p-1)/(3m+p-1), else (p-1)/(vm+p-1)."""
     p, m = schedule.devices, schedule.micro_batches
+    if schedule.placement == "v":
+        return zero_bubble_v_formula(p, m)
     if schedule.split:
         return zero_bubble_formula(p, m)
     return bubble_formula(p, m, schedule.virtual)
@@ -312,13 +375,15 @@ def expected_bubble(schedule: Schedule) -> float:
 
 def expected_peaks(schedule: Schedule) -> list[int]:
     """Per device, the micro-batch stages whose activations it holds at its peak, by each
-    schedule's rule: m (GPipe), min(m, p - d) (1F1B), min(m, p) (ZB-H1), and interleaved's
-    warm-up plus one, min(2(p-1-d) + (v-1)p + 1, vm)."""
+    schedule's rule: m (GPipe), min(m, p - d) (1F1B), min(m, p) (ZB-H1), 2p chunks of half a
+    stage on every device (ZB-V), and interleaved's warm-up plus one,
+    min(2(p-1-d) + (v-1)p + 1, vm)."""
     p, m, v = schedule.devices, schedule.micro_batches, schedule.virtual
     rules = {
         "GPipe": lambda d: m,
         "1F1B": lambda d: min(m, p - d),
         "ZB-H1": lambda d: min(m, p),
+        "ZB-V": lambda d: 2 * p,
     }
     if schedule.name.startswith("interleaved"):
         return [min(2 * (p - 1 - d) + (v - 1) * p + 1, v * m) for d in range(p)]
@@ -344,13 +409,14 @@ def check(shapes: Sequence[tuple[int, int, int]]) -> list[list[object]]:
     """Simulate each schedule at every (p, m, v) and raise AssertionError unless its bubble
     equals the formula to 1e-12 and every device's peak equals the formula's; the rows checked
     (`CHECK_COLUMNS`). v = 1 checks GPipe, 1F1B and ZB-H1 (ZB-H1's formula needs m >= p),
-    v > 1 interleaved 1F1B."""
+    v > 1 interleaved 1F1B (when p divides m), and v = 2 ZB-V too (when m >= 2p - 1)."""
     rows = []
     for p, m, v in shapes:
         if v == 1:
             schedules = [gpipe(p, m), one_f_one_b(p, m)] + [zero_bubble(p, m)] * (m >= p)
         else:
-            schedules = [interleaved(p, m, v)]
+            schedules = [interleaved(p, m, v)] if m % p == 0 else []
+            schedules += [zero_bubble_v(p, m)] if v == 2 and m >= 2 * p - 1 else []
         for schedule in schedules:
             timeline = simulate(schedule)
             bubble, peaks = timeline.bubble(), timeline.peak_in_flight()
