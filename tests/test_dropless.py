@@ -172,9 +172,11 @@ def dropless_trainer(rules, devices=None):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["DP", "FSDP", "EP", "FSDP+EP"])
+@pytest.mark.parametrize("name", ["DP", "FSDP", "EP", "FSDP+EP", "TP+SP", "FSDP+CP+TP"])
 def test_a_dropless_transformer_trains_as_on_one_device(name: str) -> None:
-    """float32 losses of the same sums in another order: a few ulps of values near 4."""
+    """float32 losses of the same sums in another order: a few ulps of values near 4. Under
+    TP the compiler reads each expert whole (XLA logs an "involuntary full rematerialization"
+    of the experts' blocks): correct, not yet split."""
     import nnxscale as nx
 
     batches = nx.book_batches(8)
