@@ -420,7 +420,8 @@ class Dropless(nnx.Module):
     MLPs (gate, up, down, with the logical axis `experts`) and, if `shared` is given, shared
     experts: a module (the Transformer's dense MLP, wider) that every token passes through.
     With a `bias_rate`, the router chooses by a `RouterBias` too, which each train step moves
-    by that rate toward balance (DeepSeek-V3's rule, which uses 0.001)."""
+    by that rate toward balance (DeepSeek-V3's rule; its 0.001 is for sigmoid scores, which
+    are larger than these softmax probabilities of about 1/E)."""
 
     def __init__(
         self,

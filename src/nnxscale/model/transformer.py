@@ -115,7 +115,7 @@ class Config:
     """Dropless only: the width of the shared experts every token passes through, in units of
     `mlp` (0: none); the weight of the router's z-loss (ST-MoE uses 0.001); the rows of a
     block (the padding is less than one block per expert); the step of a router bias that
-    balances the experts (`dropless.RouterBias`; 0: none, DeepSeek-V3 uses 0.001)."""
+    balances the experts (`dropless.RouterBias`; 0: none; it adds to `aux_weight`'s loss)."""
 
     def __post_init__(self) -> None:
         problem = config_problem(self)

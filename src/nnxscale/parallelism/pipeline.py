@@ -452,7 +452,12 @@ def per_device(
         loss,
     )
     step = functools.partial(
-        tick, d=d, branches=branches, tokens=tokens, placement=ticks.placement, ring=virtual > 1
+        tick,
+        d=d,
+        branches=branches,
+        tokens=tokens,
+        placement=ticks.placement,
+        ring=virtual > 1 and ticks.placement != "v",  # a V never wraps around
     )
     (_, _, grads, loss), _ = jax.lax.scan(step, start, tuple(map(jnp.asarray, ticks.rows())))
     axes = (STAGE, inner) if inner else STAGE
