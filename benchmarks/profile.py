@@ -6,8 +6,10 @@ device (an accelerator if there is one: `nnxscale.profiles.fastest_device`), wit
 device's peak FLOP/s and bandwidth measured between the steps (`nnxscale.machine.Probe`),
 and prints per size: the step's time, its MFU, how many ops are compute- or memory-bound
 and the share of time they take, and the time model's prediction against the measured
-step. Then the same comparison per strategy on the devices of a mesh (emulated CPU devices
-when there is a single accelerator or none). On a CPU it computes in float32, elsewhere in
+step at the efficiency that reproduces the first size's step (`costs.fitted_efficiency`).
+Then the same comparison per strategy on the devices of a mesh (emulated CPU devices
+when there is a single accelerator or none), at the efficiency that reproduces the step
+on one of them. On a CPU it computes in float32, elsewhere in
 bfloat16.
 """
 
@@ -51,10 +53,12 @@ def main() -> None:
           f"{device} ({device.device_kind}), {dtype}\n")  # fmt: skip
     options = {**OPTIMIZED, **profiles.OP_TRACING}
     columns = ("model", "tokens", "step (ms)", "MFU", "HFU", "compute-bound ops (time)",
-               "memory-bound ops (time)", "TFLOP/s", "GB/s", "predicted / measured")  # fmt: skip
+               "memory-bound ops (time)", "TFLOP/s", "GB/s", "products' share of peak",
+               "predicted / measured")  # fmt: skip
     print("| " + " | ".join(columns) + " |")
     print("|---" * len(columns) + "|")
     one = nx.make_mesh(nx.DP.mesh_shape(1), nx.DP.axes, devices=[device])
+    fitted = 0.0  # the efficiency that reproduces the first size's step
     for name, sizes in (CPU_SIZES if cpu else ACCELERATOR_SIZES).items():
         cfg = nx.Config(**sizes, max_len=length, dropout=0.0, compute_dtype=dtype)
         trainer = nx.Trainer.create(
@@ -72,13 +76,15 @@ def main() -> None:
         time_of = {b: sum(r.seconds for r in found.rows if r.name in names[b]) for b in names}
         count = {b: sum(p.bound == b for p in placed) for b in ("compute", "memory")}
         setup = costs.Setup.of(nx.DP, {"data": 1})
-        predicted = costs.step_cost(cfg, setup, hw, batch, length, efficiency=1.0).step_time
+        share = profiles.reached(placed) / hw.flops  # the products' share of peak
+        fitted = fitted or costs.fitted_efficiency(seconds, cfg, setup, hw, batch, length)
+        predicted = costs.step_cost(cfg, setup, hw, batch, length, efficiency=fitted).step_time
         print(f"| {name} | {batch * length:,} | {1e3 * seconds:,.2f} | "
               f"{profiles.mfu(model, seconds, hw):.1%} | "
               f"{profiles.mfu(nx.hlo.dot_flops(trainer.compiled), seconds, hw):.1%} | "
               f"{count['compute']} ({time_of['compute'] / busy:.0%}) | "
               f"{count['memory']} ({time_of['memory'] / busy:.0%}) | "
-              f"{hw.flops / 1e12:,.1f} | {hw.hbm / 1e9:,.0f} | "
+              f"{hw.flops / 1e12:,.1f} | {hw.hbm / 1e9:,.0f} | {share:.0%} | "
               f"{predicted / seconds:.2f} |")  # fmt: skip
     for name in ("H100", "TPU v5p"):
         print(
@@ -95,6 +101,18 @@ def main() -> None:
     many_probe = machine.Probe(many, clock=machine.cpu_seconds)  # all at once, CPU time
     cfg = nx.Config(**CPU_SIZES["small"], max_len=64, dropout=0.0)
     rows = n * max(1, 16 // n)
+    first = nx.make_mesh((1, 1), nx.DP.axes, devices=many[:1])
+    alone = nx.Trainer.create(
+        lambda: nx.create(cfg), nx.adamw(), nx.DP, first, dropout=False,
+        compiler_options=OPTIMIZED,
+    )  # fmt: skip
+    batches = nx.book_batches(rows, cfg.max_len)
+    alone.train(batches, 1)
+    one_probe = machine.Probe(many[0], clock=machine.cpu_seconds)
+    seconds, hw = machine.time_step(alone, batches, one_probe, args.steps)
+    setup = costs.Setup.of(nx.DP, {"data": 1})
+    efficiency = costs.fitted_efficiency(seconds, cfg, setup, hw, rows, cfg.max_len)
+    print(f"At {efficiency:.0%} of peak: the efficiency that reproduces the step on one device.\n")
     where = f"strategy on {n} {many[0].platform} device(s)"
     print(f"| {where} | predicted (ms) | measured (ms) | predicted / measured |")
     print("|---|--:|--:|--:|")
@@ -110,7 +128,7 @@ def main() -> None:
         measured, here = machine.time_step(trainer, batches, many_probe, args.steps)
         each = machine.emulated(here, n)
         setup = costs.Setup.of(rules, dict(trainer.layout.mesh.shape))
-        cost = costs.step_cost(cfg, setup, each, rows, cfg.max_len, efficiency=1.0)
+        cost = costs.step_cost(cfg, setup, each, rows, cfg.max_len, efficiency=efficiency)
         ratios.append(cost.step_time / measured)
         print(f"| {rules.name} | {1e3 * cost.step_time:,.1f} | {1e3 * measured:,.1f} | "
               f"{ratios[-1]:.2f} |")  # fmt: skip

@@ -769,3 +769,13 @@ def test_gradients_reduced_once_a_step_are_priced_as_unreduced_grads_runs(name: 
     assert all(c.exposed == c.seconds for c in priced[True][2])
     grew = priced[True][1].peak > priced[False][1].peak
     assert grew == (name == "FSDP")
+
+
+def test_a_measured_step_calibrates_the_efficiency_that_reproduces_it() -> None:
+    setup, hw = costs.Setup.of(STRATEGIES["DP"], {"data": 1}), costs.hardware("H100")
+    target = costs.step_cost(TINY, setup, hw, 16, efficiency=0.37).step_time
+    fitted = costs.fitted_efficiency(target, TINY, setup, hw, 16)
+    assert fitted == pytest.approx(0.37, rel=1e-9)
+    fastest = costs.step_cost(TINY, setup, hw, 16, efficiency=1.0).step_time
+    with pytest.raises(ValueError, match="faster than the time model at H100's peak"):
+        costs.fitted_efficiency(0.5 * fastest, TINY, setup, hw, 16)

@@ -189,6 +189,10 @@ def test_the_roofline_places_ops_by_intensity_against_the_ridge() -> None:
     assert placed["high"].achieved == 10**6 / 2.0  # over its wall time, not its share
     assert profiles.attainable(ridge, hw) == pytest.approx(hw.flops)
     assert profiles.mfu(hw.flops * 0.5, 1.0, hw) == 0.5
+    assert profiles.reached(placed.values()) == 10**6 / 2.0  # the one product's rate
+    assert profiles.reached(placed.values(), "other") == 10 / 1.0
+    with pytest.raises(ValueError, match="no attention op"):
+        profiles.reached(placed.values(), "attention")
 
 
 def test_the_phase_of_an_op_comes_from_its_source() -> None:

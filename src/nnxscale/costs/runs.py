@@ -15,7 +15,7 @@ import math
 from nnxscale.costs.counts import Setup, step_flops
 from nnxscale.costs.derive import unsuitable
 from nnxscale.costs.hardware import hardware
-from nnxscale.costs.steps import step_cost
+from nnxscale.costs.steps import efficiency_where, step_cost
 from nnxscale.model.configs import LLAMA3_8B, LLAMA3_70B, LLAMA3_405B
 from nnxscale.model.transformer import Config
 from nnxscale.placement.rules import STRATEGIES
@@ -116,18 +116,11 @@ class Run:
 
 
 def calibrate(run: Run) -> float:
-    """The efficiency at which the cost model reproduces `run` exactly (bisection: a higher
-    efficiency is a faster step)."""
-    low, high = 1e-3, 1.0
-    faster = run.quantity != "step time (s)"
-    for _ in range(60):
-        middle = (low + high) / 2
-        above = run.predicted(middle) > run.published  # type: ignore[operator]
-        if above == faster:
-            high = middle
-        else:
-            low = middle
-    return (low + high) / 2
+    """The efficiency at which the cost model reproduces `run` exactly."""
+    return efficiency_where(
+        lambda e: run.predicted(e) > run.published,  # type: ignore[operator]
+        rises=run.quantity != "step time (s)",
+    )
 
 
 def maxtext(scale: int, seq: int = 2048) -> Config:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from nnxscale.analysis.comm import ring_bytes
 from nnxscale.costs.activations import mixture
@@ -327,6 +327,37 @@ def step_cost(
         compute = compute / (1 - bubble)
     step = compute + sum(c.exposed for c in found)
     return StepCost(setup, memory, phases, flops, tuple(found), compute, bubble, step)
+
+
+def efficiency_where(above: Callable[[float], bool], rises: bool) -> float:
+    """The efficiency in (0, 1] at which a prediction meets its target, by bisection: `above`
+    says whether the prediction at an efficiency exceeds the target, and `rises` whether the
+    prediction grows with the efficiency (a rate) or falls (a time)."""
+    low, high = 1e-3, 1.0
+    for _ in range(60):
+        middle = (low + high) / 2
+        if above(middle) == rises:
+            high = middle
+        else:
+            low = middle
+    return (low + high) / 2
+
+
+def fitted_efficiency(
+    seconds: float, cfg: Config, setup: Setup, hw: Hardware, batch: int, seq: int | None = None
+) -> float:
+    """The efficiency at which `step_cost` takes the `seconds` a step was measured to take:
+    one measured step calibrates a device, as one published run calibrates a datasheet's
+    (`nnxscale.costs.runs.calibrate`). A step faster than the model at peak is refused."""
+    if step_cost(cfg, setup, hw, batch, seq, efficiency=1.0).step_time > seconds:
+        raise ValueError(
+            f"a step of {seconds:.3g} s is faster than the time model at {hw.name}'s peak: "
+            "measure the peak on the device that ran the step (`nnxscale.machine.Probe`)"
+        )
+    return efficiency_where(
+        lambda e: step_cost(cfg, setup, hw, batch, seq, efficiency=e).step_time > seconds,
+        rises=False,
+    )
 
 
 def pipeline_bubble(schedule: str, stages: int, micro: int, virtual: int = 1) -> float:

@@ -428,6 +428,15 @@ def roofline(rows: Iterable[Timed], hw: Hardware) -> list[Placed]:
     return placed
 
 
+def reached(placed: Iterable[Placed], kind: str = "matmul") -> float:
+    """The FLOP/s the ops of `kind` reached together, their FLOPs over their summed time: over
+    the peak, the share a time model's `efficiency` takes for this step's products."""
+    ops = [p for p in placed if p.kind == kind]
+    if not ops:
+        raise ValueError(f"no {kind} op on the roofline: profile a step that computes one")
+    return sum(p.achieved * p.seconds for p in ops) / sum(p.seconds for p in ops)
+
+
 def mfu(model_flops: float, seconds: float, hw: Hardware) -> float:
     """Model FLOPs utilisation: the model's FLOPs per step over the step's seconds, as a
     share of `hw`'s peak FLOP/s."""
