@@ -438,8 +438,8 @@ CALCULATOR = """(inputs) => {
 def calculator_grid() -> list[dict]:
     """Every planned strategy on every device, for three dense models and two mixtures of
     experts, clusters and setups (each with its remat policies and two micro-batch counts, a
-    pipeline on the lockstep executor and on 1F1B with one and two virtual stages): over
-    500 inputs, some that cannot run."""
+    pipeline on the lockstep executor, on 1F1B with one and two virtual stages, on ZB-H1 and
+    on ZB-V): over 500 inputs, some that cannot run."""
     from nnxscale import configs, costs
     from nnxscale.costs.planner import EXPERT_PLANNED, PLANNED
 
@@ -484,8 +484,10 @@ def calculator_grid() -> list[dict]:
         for strategy in PLANNED + EXPERT_PLANNED
         for micro in (degrees[1], 2 * degrees[1])
         for remat in ("no", "dots", "full")
-        for schedule, virtual in (("lockstep", 1), ("1F1B", 1), ("1F1B", 2))
-        if (schedule == "1F1B") == strategy.startswith("PP")
+        for schedule, virtual in (
+            ("lockstep", 1), ("1F1B", 1), ("1F1B", 2), ("ZB-H1", 1), ("ZB-V", 2)
+        )
+        if (schedule != "lockstep") == strategy.startswith("PP")
         or (schedule, remat) == ("lockstep", "no")
     ]  # fmt: skip
 

@@ -496,6 +496,39 @@ def test_a_pipeline_runs_lockstep_ticks() -> None:
     assert cost.bubble == pytest.approx(1 - 32 / (1.5 * (32 + 7)))
 
 
+@pytest.mark.parametrize("remat", [False, "dots", "full"])
+def test_zero_bubble_schedules_are_priced_by_their_own_bubble_and_1f1b_s_memory(remat) -> None:
+    """ZB-H1 and ZB-V hold what plain 1F1B holds (p stages in flight on the busiest device,
+    as Qi et al. give for both), compute as much, and idle by their own formulas, B costing
+    one forward more when full remat recomputes it; ZB-V sends twice per micro-batch what
+    ZB-H1 sends (two stages a device) and needs 2p - 1 micro-batches."""
+    mesh, m = {"stage": 8, "fsdp": 2, "model": 8}, 32
+    rules = STRATEGIES["PP+FSDP+TP"]
+    priced = {
+        s: costs.step_cost(
+            costs.SEVENTY_B, costs.Setup.of(rules, mesh, m, remat, schedule=s), H100, 256, 4096
+        )
+        for s in ("1F1B", "ZB-H1", "ZB-V")
+    }
+    b = 2.0 if remat == "full" else 1.0
+    assert priced["ZB-H1"].bubble == schedules.zero_bubble_formula(8, m, 1.0, b, 1.0)
+    assert priced["ZB-V"].bubble == schedules.zero_bubble_v_formula(8, m, 1.0, b, 1.0)
+    assert priced["1F1B"].bubble == schedules.bubble_formula(8, m)
+    assert priced["ZB-V"].bubble < priced["ZB-H1"].bubble < priced["1F1B"].bubble
+    for s in ("ZB-H1", "ZB-V"):
+        assert priced[s].memory == priced["1F1B"].memory and priced[s].flops == priced["1F1B"].flops
+    hand = {
+        s: [c for c in priced[s].collectives if c.transfer.kind == "collective-permute"]
+        for s in priced
+    }
+    assert hand["ZB-V"][0].seconds == pytest.approx(2 * hand["ZB-H1"][0].seconds)
+    few = costs.Setup.of(rules, mesh, 14, remat, schedule="ZB-V")
+    assert few.virtual == 2
+    assert "2p - 1 = 15 micro-batches, not 14" in costs.unsuitable(costs.SEVENTY_B, few, 224, 4096)
+    with pytest.raises(ValueError, match="ZB-V always runs two"):
+        costs.Setup.of(rules, mesh, m, remat, schedule="ZB-H1", virtual=2)
+
+
 def test_the_rings_threshold_follows_the_link_it_crosses() -> None:
     """A 64-device ring on 8-GPU hosts crosses the network; a TPU slice's stays on ICI. In
     bfloat16 the backward's hops bind (K, V and their float32 gradients against 2.5 times

@@ -194,6 +194,24 @@ def test_zb_v_holds_two_stages_a_device_in_a_v_and_idles_a_sixth_of_1f1b(p) -> N
         assert zero_bubble_v_formula(p, 8 * p) < zero_bubble_formula(p, 8 * p) / 1.9
 
 
+@pytest.mark.parametrize("b", [1.0, 1.2, 1.5, 1.8, 2.0])
+@pytest.mark.parametrize("p", [1, 2, 3, 4, 8])
+def test_zb_v_idles_as_zb_h1_on_twice_the_micro_batches(p, b) -> None:
+    """ZB-V's chunks are half-stages: with F = W and B from one to two forwards (full remat
+    recomputes the forward before B, the cost model's B = 2F), its idle share is ZB-H1's
+    at 2m. Outside that range this order idles longer than the formula (B = 3F, or W = F/2:
+    its cool-down waits), so the cost model prices only costs inside it."""
+    costs = {FORWARD: 0.5, BACKWARD: b / 2, WEIGHTS: 0.5}
+    for m in (2 * p - 1, 2 * p, 3 * p + 1, 8 * p):
+        timeline = simulate(zero_bubble_v(p, m), lambda t: costs[t.kind])
+        expected = zero_bubble_v_formula(p, m, 1.0, b, 1.0)
+        assert timeline.bubble() == pytest.approx(expected, abs=1e-12)
+        assert expected == zero_bubble_formula(p, 2 * m, 1.0, b, 1.0)
+    if p > 1:
+        wide = simulate(zero_bubble_v(p, 4 * p), lambda t: 0.5 * (3.0 if t.kind == BACKWARD else 1))
+        assert wide.bubble() > zero_bubble_v_formula(p, 4 * p, 1.0, 3.0, 1.0)
+
+
 def test_zb_v_turns_on_the_last_device_and_ends_on_the_first() -> None:
     schedule = zero_bubble_v(4, 8)
     assert schedule.order[0][0] == Task(FORWARD, 0, 0)  # chunk 0 of device 0: stage 0

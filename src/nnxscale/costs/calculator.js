@@ -47,7 +47,7 @@
   }
 
   // nnxscale.costs.unsuitable (after the mixture's checks)
-  function unsuitable(c, sizes, mesh, batch, seq, micro, layers, virtual) {
+  function unsuitable(c, sizes, mesh, batch, seq, micro, layers, virtual, schedule) {
     for (const [size, axes] of c.splits) {
       const n = product(axes.map((a) => mesh[a]));
       if (sizes[size] % n && size !== "layers") return `the ${axes.join("x")} axis (${n}) does not divide ${size} (${sizes[size]})`;
@@ -59,7 +59,8 @@
     if (seq % (2 * ring)) return `${seq} tokens do not cut into 2 x ${ring} chunks for the zig-zag ring`;
     const stages = c.stage_axis ? mesh[c.stage_axis] : 1;
     if (micro < stages) return `${stages} stages need at least ${stages} micro-batches (1F1B)`;
-    if (virtual > 1 && micro % stages) return `interleaved 1F1B needs micro-batches (${micro}) a multiple of the stages (${stages})`;
+    if (schedule === "ZB-V" && micro < 2 * stages - 1) return `ZB-V on ${stages} stages fills its V with 2p - 1 = ${2 * stages - 1} micro-batches, not ${micro}: use more, or 1F1B or ZB-H1`;
+    if (schedule === "1F1B" && virtual > 1 && micro % stages) return `interleaved 1F1B needs micro-batches (${micro}) a multiple of the stages (${stages})`;
     if (layers < stages * virtual) return `${layers} layers do not fill ${stages} stages x ${virtual} virtual stages`;
     return "";
   }
@@ -156,10 +157,12 @@
     if (!mesh) return { reason: `the degrees do not divide ${devices} devices` };
     const s = spec.strategies[strategy];
     // nnxscale.calculator.setup_for: a pipeline on its schedule, the others on none
-    const f1b = schedule === "1F1B" && Object.keys(s.one_f_one_b).length > 0;
-    const v = f1b ? virtual : 1;
-    if (!(Number.isInteger(v) && v >= 1)) {
-      return { reason: `virtual=${v}: virtual stages are a positive integer, more than one only for the 1F1B schedule (interleaved 1F1B)`, mesh };
+    const f1b = schedule !== "lockstep" && Object.keys(s.one_f_one_b).length > 0;
+    const sched = f1b ? schedule : "lockstep";
+    // nnxscale.costs.Setup.of: ZB-V runs two stages a device (its V), ZB-H1 one
+    const v = !f1b ? 1 : sched === "ZB-V" && (virtual === 1 || virtual === 2) ? 2 : virtual;
+    if (!(Number.isInteger(v) && v >= 1) || (v > 1 && sched !== "1F1B" && sched !== "ZB-V")) {
+      return { reason: `virtual=${v}: virtual stages are a positive integer, more than one only for the 1F1B schedule (interleaved 1F1B; ZB-V always runs two)`, mesh };
     }
     const kind = String(mlpKind(cfg));
     const tables = f1b ? s.one_f_one_b : s.mlp;
@@ -167,11 +170,11 @@
     if (problem) return { reason: problem, mesh };
     const table = tables[kind];
     const c = table[remat in table ? remat : Object.keys(table)[0]];
-    const sizes = Object.assign(modelSizes(spec, cfg, seq), { batch, seq, micro, virtual: v, interleaved: v > 1 ? 1 : 0 }, mesh);
+    const sizes = Object.assign(modelSizes(spec, cfg, seq), { batch, seq, micro, virtual: v, interleaved: v > 1 && sched === "1F1B" ? 1 : 0 }, mesh);
     // nnxscale.costs.counts._padded: the busiest stage's layers, times the stages and virtual stages
     const stages = c.stage_axis ? mesh[c.stage_axis] : 1;
     sizes.layers = Math.ceil(cfg.layers / (stages * v)) * stages * v;
-    const reason = unsuitable(c, sizes, mesh, batch, seq, micro, cfg.layers, v);
+    const reason = unsuitable(c, sizes, mesh, batch, seq, micro, cfg.layers, v, sched);
     if (reason) return { reason, mesh };
     const memory = {};
     for (const [name, f] of Object.entries(c.state)) memory[name] = evaluate(f, sizes);
@@ -203,7 +206,9 @@
     let bubble = 0;
     if (c.stage_axis) { // nnxscale.costs.pipeline_bubble
       const p = mesh[c.stage_axis];
-      bubble = c.schedule === "1F1B" ? (p - 1) / (v * micro + p - 1) : 1 - micro / (1.5 * (micro + p - 1));
+      // zero_bubble_formula: F, B and W a forward each, B one more under full remat
+      const zb = (m) => { const idle = (p - 1) * (remat === "full" ? 2 : 1); return idle / (m * (remat === "full" ? 4 : 3) + idle); };
+      bubble = { "1F1B": (p - 1) / (v * micro + p - 1), "ZB-H1": zb(micro), "ZB-V": zb(2 * micro) }[sched] ?? 1 - micro / (1.5 * (micro + p - 1));
       compute = compute / (1 - bubble);
     }
     const peak = Object.values(memory).reduce((a, b) => a + b, 0);

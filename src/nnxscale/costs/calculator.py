@@ -52,8 +52,9 @@ def setup_for(
     """The setup the calculator prices: the axes named in `DEGREES` of the size asked, the
     rest of the devices on the first other axis the rule set uses (a rule set of one axis
     takes them all), and the axes it does not use of one device. A pipeline runs on
-    `schedule`, with `virtual` stages on 1F1B; the lockstep executor rebuilds its stages
-    itself, so it takes no remat policy (nor do other rule sets take a schedule)."""
+    `schedule`, with `virtual` stages on 1F1B (two on ZB-V); the lockstep executor rebuilds
+    its stages itself, so it takes no remat policy (nor do other rule sets take a
+    schedule)."""
     used = rules.mesh_axes()
     sizes = {a: degrees.get(DEGREES[a], 1) for a in rules.axes if a in DEGREES and a in used}
     if len(rules.axes) == 1:

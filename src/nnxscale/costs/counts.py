@@ -180,13 +180,16 @@ def model_sizes(cfg: Config, seq: int) -> dict[str, float]:
     return sizes
 
 
-SCHEDULES = ("lockstep", "1F1B")
+SCHEDULES = ("lockstep", "1F1B", "ZB-H1", "ZB-V")
 """How a pipeline runs its micro-batches: `lockstep`, the book's executor (one SPMD program
 whose ticks all stages run together, each stage rebuilt in its backward task, as MaxText and
 Praxis run pipelines); `1F1B`, one program per stage (MPMD, as Megatron-LM and JaxPP run
 them), each stage keeping its micro-batches' activations until their backward pass, and with
-virtual stages the interleaved schedule (Narayanan et al. 2021). The book executes the
-first; the second it prices."""
+virtual stages the interleaved schedule (Narayanan et al. 2021); `ZB-H1` and `ZB-V`, 1F1B
+with each backward split into the input's gradient and the weights' (Qi et al. 2024), ZB-V
+on two stages per device in a V. The book's executor runs the lockstep one; the others it
+prices with 1F1B's memory (p stages in flight on the busiest device, as Qi et al. give for
+both) and each schedule's own bubble (`nnxscale.costs.pipeline_bubble`)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -234,10 +237,12 @@ class Setup:
         remat_policy(remat)
         if schedule not in SCHEDULES:
             raise ValueError(f"schedule={schedule!r}: use one of {', '.join(SCHEDULES)}")
-        if int(virtual) != virtual or virtual < 1 or (virtual > 1 and schedule == "lockstep"):
+        if schedule == "ZB-V" and virtual in (1, 2):
+            virtual = 2  # its V: two stages on each device
+        elif int(virtual) != virtual or virtual < 1 or (virtual > 1 and schedule != "1F1B"):
             raise ValueError(
                 f"virtual={virtual!r}: virtual stages are a positive integer, more than one "
-                "only for the 1F1B schedule (interleaved 1F1B)"
+                "only for the 1F1B schedule (interleaved 1F1B; ZB-V always runs two)"
             )
         shape = tuple((a, int(mesh.get(a, 1))) for a in rules.axes)
         return cls(
@@ -282,7 +287,8 @@ class Setup:
             return ", gradients reduced once a step"
         if self.schedule == "lockstep":
             return ""
-        virtual = f", {self.virtual} virtual stages" if self.virtual > 1 else ""
+        interleaved = self.virtual > 1 and self.schedule == "1F1B"
+        virtual = f", {self.virtual} virtual stages" if interleaved else ""
         return f", {self.schedule}{virtual}"
 
 
@@ -360,7 +366,7 @@ def sizes_of(cfg: Config, setup: Setup, batch: int, seq: int) -> dict[str, float
         "seq": seq,
         "micro": setup.micro_batches,
         "virtual": setup.virtual,
-        "interleaved": int(setup.virtual > 1),
+        "interleaved": int(setup.virtual > 1 and setup.schedule == "1F1B"),
         **setup.sizes,
         "layers": _padded(cfg.layers, setup),
     }

@@ -252,7 +252,7 @@ def _derive(rules: Rules, compute_dtype: str, remat: bool | str, moe: int, sched
     tokens = set(rules.token_axes(rules.axes))
     state, gradients, head_gradients, splits = _held(arrays)
     stage = _tensor_stage(arrays)
-    if stage is not None and schedule == "1F1B":
+    if stage is not None and schedule != "lockstep":  # 1F1B's formulas, and ZB's
         held = (state, head_gradients, tuple(splits))
         return _one_f_one_b(rules, arrays, held, stage, compute_dtype, policy)
     if stage is not None:
@@ -546,7 +546,12 @@ def unsuitable(cfg: Config, setup: Setup, batch: int, seq: int) -> str:
     stages = setup.sizes.get(costs.stage_axis, 1) if costs.stage_axis else 1
     if setup.micro_batches < stages:
         return f"{stages} stages need at least {stages} micro-batches (1F1B)"
-    if setup.virtual > 1 and setup.micro_batches % stages:
+    if setup.schedule == "ZB-V" and setup.micro_batches < 2 * stages - 1:
+        return (
+            f"ZB-V on {stages} stages fills its V with 2p - 1 = {2 * stages - 1} micro-batches, "
+            f"not {setup.micro_batches}: use more, or 1F1B or ZB-H1"
+        )
+    if setup.schedule == "1F1B" and setup.virtual > 1 and setup.micro_batches % stages:
         return (
             f"interleaved 1F1B needs micro-batches ({setup.micro_batches}) a multiple of the "
             f"stages ({stages})"

@@ -363,16 +363,19 @@ def candidates(
 ) -> Iterator[tuple[Setup, str]]:
     """Every setup of `rules` the planner tries, and why it cannot run if it cannot: a
     pipeline on the book's lockstep executor (which rebuilds each stage itself; not with a
-    context ring, which it does not run), and on 1F1B with each remat policy and `VIRTUAL`
-    stages; with micro-batches, gradients reduced once per micro-batch and once a step
-    (`Setup.reduce_once`; a pipeline reduces once already)."""
+    context ring, which it does not run), on 1F1B with each remat policy and `VIRTUAL`
+    stages, and on ZB-H1 and ZB-V with each remat policy; with micro-batches, gradients
+    reduced once per micro-batch and once a step (`Setup.reduce_once`; a pipeline reduces
+    once already)."""
     stage = next(iter(rules.axes_of("layers")), None)
     runs: tuple[tuple[str, int, bool | str], ...] = tuple(
         ("lockstep", 1, remat) for remat in REMATS
     )
     if stage is not None:
         lockstep = () if unpriced(rules, 0) else (("lockstep", 1, False),)
-        runs = (*lockstep, *(("1F1B", v, r) for v in VIRTUAL for r in REMATS))
+        f1b = (("1F1B", v, r) for v in VIRTUAL for r in REMATS)
+        zb = ((name, 1, r) for name in ("ZB-H1", "ZB-V") for r in REMATS)
+        runs = (*lockstep, *f1b, *zb)
     for mesh in meshes(rules, devices, hw.domain):
         for m in micro_batches(rules, mesh, batch, stage):
             once = (False, True) if m > 1 and stage is None else (False,)

@@ -342,12 +342,17 @@ def zero_bubble_formula(
     return idle / (micro_batches * (f + b + w) + idle)
 
 
-def zero_bubble_v_formula(devices: int, micro_batches: int) -> float:
-    """ZB-V's idle share with F, B and W of equal cost: (p - 1) / (6m + p - 1). Each device
-    computes 6m chunk tasks of half a stage each (3m stage-passes); the last device starts
-    p - 1 chunk forwards late and the first finishes as late after it, which is all the idle
-    time: (p - 1) / 2 stage-passes per device."""
-    return (devices - 1) / (6 * micro_batches + devices - 1)
+def zero_bubble_v_formula(
+    devices: int, micro_batches: int, f: float = 1.0, b: float = 1.0, w: float = 1.0
+) -> float:
+    """ZB-V's idle share: ZB-H1's with 2m micro-batches, since each device runs every
+    micro-batch as two chunks of half a stage (for F = W and B from one to two forwards,
+    checked in simulation; `zero_bubble_v`'s order idles longer outside that range); with
+    F, B and W of equal cost, (p - 1) / (6m + p - 1). With equal costs each device computes
+    6m chunk tasks (3m stage-passes); the last device starts p - 1 chunk forwards late and
+    the first finishes as late after it, which is all the idle time: (p - 1) / 2
+    stage-passes per device."""
+    return zero_bubble_formula(devices, 2 * micro_batches, f, b, w)
 
 
 def split_layers(layers: int, stages: int) -> list[range]:
