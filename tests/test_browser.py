@@ -504,10 +504,13 @@ def library_answer(inputs: dict) -> tuple[str, object]:
     from nnxscale.placement.rules import STRATEGIES
 
     mixture = {k: inputs[k] for k in ("experts", "top_k", "capacity_factor")}
-    cfg = Config(
-        **{k: inputs[k] for k in SIZES}, **mixture, max_len=inputs["seq"],
-        compute_dtype=calculator.DTYPE, scan_layers=True,
-    )  # fmt: skip
+    try:
+        cfg = Config(
+            **{k: inputs[k] for k in SIZES}, **mixture, max_len=inputs["seq"],
+            compute_dtype=calculator.DTYPE, scan_layers=True,
+        )  # fmt: skip
+    except ValueError as error:  # a mixture that cannot run: the Config says why
+        return "reason", str(error).removeprefix("Config: ")
     remat = {"no": False, "dots": "dots", "full": "full"}[inputs["remat"]]
     degrees = {k: inputs[k] for k in calculator.DEGREES.values()}
     try:

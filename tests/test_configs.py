@@ -32,8 +32,14 @@ def test_llama3_8b_is_the_count_the_issue_names() -> None:
         ({"rope_theta": 0.5}, "rope_theta=0.5"),
         ({"dropout": 1.0}, "dropout=1.0"),
         ({"param_dtype": "int8"}, "param_dtype='int8'"),
+        ({"experts": -2}, "experts=-2: use 0 for a dense MLP"),
+        ({"experts": 4, "top_k": 5}, "top_k=5 with 4 experts: use 1 <= top_k <= 4"),
+        ({"experts": 4, "top_k": 0, "routing": "dropless"}, "top_k=0 with 4 experts"),
+        ({"experts": 4, "capacity_factor": 0.0}, "the capacity factor must be positive"),
     ],
 )
 def test_bad_configurations_are_refused_when_made(change: dict, message: str) -> None:
+    """Before a parameter is made: a mixture with k above its experts too, which would
+    otherwise fail only when the first batch is routed."""
     with pytest.raises(ValueError, match=message.replace("(", r"\(")):
         nx.TINY.replace(**change)

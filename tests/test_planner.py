@@ -92,17 +92,19 @@ def test_a_device_count_that_divides_nothing_gets_reasons() -> None:
         (dict(hw="A99"), "no hardware named 'A99'"),
         (dict(memory_per_device=-1.0), "memory_per_device must be positive"),
         (dict(strategies=["ZeRO-4"]), "no rule set named 'ZeRO-4'"),
-        (dict(cfg=costs.SEVEN_B.replace(experts=-1)), "experts=-1: use 0 for a dense MLP"),
-        (dict(cfg=costs.SEVEN_B.replace(experts=2, top_k=3)), "top_k=3 with 2 experts"),
-        (dict(cfg=costs.SEVEN_B.replace(experts=2, capacity_factor=0.0)), "capacity factor must"),
+        (dict(cfg=dict(experts=-1)), "experts=-1: use 0 for a dense MLP"),
+        (dict(cfg=dict(experts=2, top_k=3)), "top_k=3 with 2 experts"),
+        (dict(cfg=dict(experts=2, capacity_factor=0.0)), "capacity factor must"),
     ],
 )
 def test_bad_input_is_refused_with_the_fix(kwargs: dict, message: str) -> None:
-    args = dict(cfg=costs.SEVEN_B, devices=8, hw="H100", global_batch=64, seq=4096)
+    """A mixture that cannot run (`cfg`: the changes to the model) is refused when the
+    `Config` is made, before anything is priced."""
+    args = dict(cfg={}, devices=8, hw="H100", global_batch=64, seq=4096)
     args.update(kwargs)
-    cfg, devices, hw = args.pop("cfg"), args.pop("devices"), args.pop("hw")
+    changes, devices, hw = args.pop("cfg"), args.pop("devices"), args.pop("hw")
     with pytest.raises(ValueError, match=message):
-        planner.plan(cfg, devices, hw, **args)
+        planner.plan(costs.SEVEN_B.replace(**changes), devices, hw, **args)
 
 
 def test_a_setup_says_itself_in_words() -> None:

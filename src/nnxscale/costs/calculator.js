@@ -37,7 +37,7 @@
     return product(Object.values(mesh)) === devices ? mesh : null;
   }
 
-  // nnxscale.costs.mixture_problem
+  // nnxscale.Config: what it refuses of the sizes and the mixture (config_problem)
   function mixtureProblem(cfg) {
     if (!(cfg.kv_heads >= 1) || cfg.heads % cfg.kv_heads) return `kv_heads=${cfg.kv_heads} does not divide heads=${cfg.heads}: each key/value head serves a whole group of query heads`;
     if (cfg.experts < 0) return `experts=${cfg.experts}: use 0 for a dense MLP or a positive number of experts`;

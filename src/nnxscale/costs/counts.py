@@ -382,13 +382,8 @@ def _padded(layers: int, setup: Setup) -> int:
 
 
 def mixture_problem(cfg: Config) -> str:
-    """What is wrong with `cfg`'s mixture of experts, or "" (a dense model has none)."""
-    if cfg.experts < 0:
-        return f"experts={cfg.experts}: use 0 for a dense MLP or a positive number of experts"
-    if cfg.experts and not 1 <= cfg.top_k <= cfg.experts:
-        return f"top_k={cfg.top_k} with {cfg.experts} experts: use 1 <= top_k <= {cfg.experts}"
-    if cfg.experts and not cfg.capacity_factor > 0:
-        return "the capacity factor must be positive"
+    """What the cost model cannot price of `cfg`'s mixture of experts, or "" (a `Config`
+    refuses a mixture that cannot run: k above the experts, a negative count)."""
     if cfg.experts and cfg.routing != "capacity":
         return (
             f"routing={cfg.routing!r}: the cost model prices GShard's capacity routing "

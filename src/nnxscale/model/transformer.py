@@ -172,6 +172,12 @@ def _mixture_problem(cfg: Config) -> str:
     """What is wrong with `cfg`'s mixture settings, naming the fix, or ""."""
     if cfg.routing not in ROUTINGS:
         return f"routing={cfg.routing!r}: use one of {', '.join(ROUTINGS)}"
+    if cfg.experts < 0:
+        return f"experts={cfg.experts}: use 0 for a dense MLP or a positive number of experts"
+    if cfg.experts and not 1 <= cfg.top_k <= cfg.experts:
+        return f"top_k={cfg.top_k} with {cfg.experts} experts: use 1 <= top_k <= {cfg.experts}"
+    if cfg.experts and cfg.routing == "capacity" and not cfg.capacity_factor > 0:
+        return "the capacity factor must be positive"
     finite = all(0 <= w < float("inf") for w in (cfg.z_weight, cfg.bias_rate))
     if not finite or cfg.shared_experts < 0 or cfg.expert_block < 1:
         return (
