@@ -216,31 +216,33 @@ def test_llama_3_405b_on_16384_h100s_is_planned_as_it_was_trained() -> None:
 @pytest.mark.slow
 def test_asked_for_a_context_ring_in_stages_the_planner_finds_llama_3_at_131k() -> None:
     """Llama 3 405B at 131k tokens on 16,384 H100s: with PP+FSDP+CP+TP offered, the best
-    plan runs it on ZB-V, within 1.3 of the published 380 TFLOP/s (ZB-V idles 0.108 of the
-    step with B recomputing the forward, interleaved 1F1B 0.195), and Llama 3's own layout
-    is tied with the best 1F1B plan. At 8k tokens the same offer ranks first, 1.37 to 1.43
-    times as fast as Llama 3's layout, through 128 micro-batches of 2,048 tokens a device,
-    which no published run trains with: why `PLANNED` leaves it out."""
+    plan runs it on interleaved 1F1B with full remat (the zero-bubble schedules, which
+    refuse full remat, do not fit), within 1.3 of the published 380 TFLOP/s, and Llama 3's
+    own layout is tied with it. At 8k tokens the same offer ranks first on ZB-V, 1.37 to
+    1.43 times as fast as Llama 3's layout (1.29 to 1.34 on its best 1F1B), through 128
+    micro-batches of 2,048 tokens a device, which no published run trains with: why
+    `PLANNED` leaves it out."""
     offered = (*planner.PLANNED, "PP+FSDP+CP+TP")
     long = LLAMA3_405B.replace(max_len=131_072)
     found = planner.plan(long, 16_384, "H100", global_batch=128, seq=131_072, strategies=offered)
     best = found.best
-    assert best.strategy == "PP+FSDP+CP+TP" and best.setup.schedule == "ZB-V"
+    assert best.strategy == "PP+FSDP+CP+TP" and best.setup.schedule == "1F1B"
     tflops = costs.step_flops(long, 128, 131_072) / 16_384 / best.cost.step_time / 1e12
     assert 380 / 1.3 <= tflops <= 380 * 1.3
-    f1b = [o for o in found.options if o.fits and o.setup.schedule == "1F1B"]
-    fastest = min(f1b, key=lambda o: o.cost.step_time)
-    assert fastest.cost.bubble > best.cost.bubble
     (llama,) = [r for r in runs.runs() if r.name.endswith("16,384 H100s, 131k")]
     ran = costs.step_cost(long, llama.setup(), "H100", 128, 131_072)
-    assert ran.step_time <= fastest.cost.step_time * planner.TIE
+    assert ran.step_time <= best.cost.step_time * planner.TIE
     short = planner.plan(
         LLAMA3_405B, 16_384, "H100", global_batch=2048, seq=8192, strategies=offered
     )
     first, second = short.ranked[:2]
     assert (first.strategy, second.strategy) == ("PP+FSDP+CP+TP", "PP+FSDP+TP")
+    assert first.setup.schedule == "ZB-V"
     assert 1.37 < second.cost.step_time / first.cost.step_time < 1.43
     assert 8192 // first.setup.sizes["context"] == 2048 and first.setup.micro_batches == 128
+    ring = [o for o in short.options if o.fits and o.strategy == first.strategy]
+    f1b = min((o for o in ring if o.setup.schedule == "1F1B"), key=lambda o: o.cost.step_time)
+    assert 1.29 < second.cost.step_time / f1b.cost.step_time < 1.34
 
 
 def test_the_planner_reduces_once_a_step_where_the_weights_fit_whole() -> None:

@@ -197,10 +197,9 @@ def test_zb_v_holds_two_stages_a_device_in_a_v_and_idles_a_sixth_of_1f1b(p) -> N
 @pytest.mark.parametrize("b", [1.0, 1.2, 1.5, 1.8, 2.0])
 @pytest.mark.parametrize("p", [1, 2, 3, 4, 8])
 def test_zb_v_idles_as_zb_h1_on_twice_the_micro_batches(p, b) -> None:
-    """ZB-V's chunks are half-stages: with F = W and B from one to two forwards (full remat
-    recomputes the forward before B, the cost model's B = 2F), its idle share is ZB-H1's
-    at 2m. Outside that range this order idles longer than the formula (B = 3F, or W = F/2:
-    its cool-down waits), so the cost model prices only costs inside it."""
+    """ZB-V's chunks are half-stages: with F = W and B from one to two forwards, its idle
+    share is ZB-H1's at 2m. Outside that range this order idles longer than the formula
+    (B = 3F, or W = F/2: its cool-down waits)."""
     costs = {FORWARD: 0.5, BACKWARD: b / 2, WEIGHTS: 0.5}
     for m in (2 * p - 1, 2 * p, 3 * p + 1, 8 * p):
         timeline = simulate(zero_bubble_v(p, m), lambda t: costs[t.kind])

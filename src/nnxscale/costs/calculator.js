@@ -47,7 +47,7 @@
   }
 
   // nnxscale.costs.unsuitable (after the mixture's checks)
-  function unsuitable(c, sizes, mesh, batch, seq, micro, layers, virtual, schedule) {
+  function unsuitable(c, sizes, mesh, batch, seq, micro, layers, virtual, schedule, remat) {
     for (const [size, axes] of c.splits) {
       const n = product(axes.map((a) => mesh[a]));
       if (sizes[size] % n && size !== "layers") return `the ${axes.join("x")} axis (${n}) does not divide ${size} (${sizes[size]})`;
@@ -59,6 +59,7 @@
     if (seq % (2 * ring)) return `${seq} tokens do not cut into 2 x ${ring} chunks for the zig-zag ring`;
     const stages = c.stage_axis ? mesh[c.stage_axis] : 1;
     if (micro < stages) return `${stages} stages need at least ${stages} micro-batches (1F1B)`;
+    if (schedule.startsWith("ZB") && remat === "full") return `${schedule} defers each W, which reads its products' inputs kept from B; full remat rebuilds them inside B and would hold them until W: use remat='dots' or none`;
     if (schedule === "ZB-V" && micro < 2 * stages - 1) return `ZB-V on ${stages} stages fills its V with 2p - 1 = ${2 * stages - 1} micro-batches, not ${micro}: use more, or 1F1B or ZB-H1`;
     if (schedule === "1F1B" && virtual > 1 && micro % stages) return `interleaved 1F1B needs micro-batches (${micro}) a multiple of the stages (${stages})`;
     if (layers < stages * virtual) return `${layers} layers do not fill ${stages} stages x ${virtual} virtual stages`;
@@ -174,7 +175,7 @@
     // nnxscale.costs.counts._padded: the busiest stage's layers, times the stages and virtual stages
     const stages = c.stage_axis ? mesh[c.stage_axis] : 1;
     sizes.layers = Math.ceil(cfg.layers / (stages * v)) * stages * v;
-    const reason = unsuitable(c, sizes, mesh, batch, seq, micro, cfg.layers, v, sched);
+    const reason = unsuitable(c, sizes, mesh, batch, seq, micro, cfg.layers, v, sched, remat);
     if (reason) return { reason, mesh };
     const memory = {};
     for (const [name, f] of Object.entries(c.state)) memory[name] = evaluate(f, sizes);
@@ -206,9 +207,7 @@
     let bubble = 0;
     if (c.stage_axis) { // nnxscale.costs.pipeline_bubble
       const p = mesh[c.stage_axis];
-      // zero_bubble_formula: F, B and W a forward each, B one more under full remat
-      const zb = (m) => { const idle = (p - 1) * (remat === "full" ? 2 : 1); return idle / (m * (remat === "full" ? 4 : 3) + idle); };
-      bubble = { "1F1B": (p - 1) / (v * micro + p - 1), "ZB-H1": zb(micro), "ZB-V": zb(2 * micro) }[sched] ?? 1 - micro / (1.5 * (micro + p - 1));
+      bubble = { "1F1B": (p - 1) / (v * micro + p - 1), "ZB-H1": (p - 1) / (3 * micro + p - 1), "ZB-V": (p - 1) / (6 * micro + p - 1) }[sched] ?? 1 - micro / (1.5 * (micro + p - 1));
       compute = compute / (1 - bubble);
     }
     const peak = Object.values(memory).reduce((a, b) => a + b, 0);

@@ -546,6 +546,12 @@ def unsuitable(cfg: Config, setup: Setup, batch: int, seq: int) -> str:
     stages = setup.sizes.get(costs.stage_axis, 1) if costs.stage_axis else 1
     if setup.micro_batches < stages:
         return f"{stages} stages need at least {stages} micro-batches (1F1B)"
+    if setup.schedule.startswith("ZB") and remat_policy(setup.remat) == "full":
+        return (
+            f"{setup.schedule} defers each W, which reads its products' inputs kept from B; "
+            "full remat rebuilds them inside B and would hold them until W: use remat='dots' "
+            "or none"
+        )
     if setup.schedule == "ZB-V" and setup.micro_batches < 2 * stages - 1:
         return (
             f"ZB-V on {stages} stages fills its V with 2p - 1 = {2 * stages - 1} micro-batches, "

@@ -364,7 +364,7 @@ def candidates(
     """Every setup of `rules` the planner tries, and why it cannot run if it cannot: a
     pipeline on the book's lockstep executor (which rebuilds each stage itself; not with a
     context ring, which it does not run), on 1F1B with each remat policy and `VIRTUAL`
-    stages, and on ZB-H1 and ZB-V with each remat policy; with micro-batches, gradients
+    stages, and on ZB-H1 and ZB-V without full remat; with micro-batches, gradients
     reduced once per micro-batch and once a step (`Setup.reduce_once`; a pipeline reduces
     once already)."""
     stage = next(iter(rules.axes_of("layers")), None)
@@ -374,7 +374,7 @@ def candidates(
     if stage is not None:
         lockstep = () if unpriced(rules, 0) else (("lockstep", 1, False),)
         f1b = (("1F1B", v, r) for v in VIRTUAL for r in REMATS)
-        zb = ((name, 1, r) for name in ("ZB-H1", "ZB-V") for r in REMATS)
+        zb = ((name, 1, r) for name in ("ZB-H1", "ZB-V") for r in REMATS if r != "full")
         runs = (*lockstep, *f1b, *zb)
     for mesh in meshes(rules, devices, hw.domain):
         for m in micro_batches(rules, mesh, batch, stage):

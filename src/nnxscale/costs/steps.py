@@ -14,7 +14,7 @@ from nnxscale.costs.counts import DTYPE_BYTES, STATE_BYTES, Precision, Setup, si
 from nnxscale.costs.derive import Costs, derive
 from nnxscale.costs.formula import Formula
 from nnxscale.costs.hardware import Hardware, hardware
-from nnxscale.model.transformer import Config, remat_policy
+from nnxscale.model.transformer import Config
 from nnxscale.parallelism.schedules import (
     bubble_formula,
     zero_bubble_formula,
@@ -324,9 +324,8 @@ def step_cost(
     }
     found, bubble = _collectives(costs, sizes, mesh, hw, window), 0.0
     if costs.stage_axis is not None:
-        full = float(remat_policy(setup.remat) == "full")  # B recomputes the forward
         bubble = pipeline_bubble(
-            setup.schedule, mesh[costs.stage_axis], setup.micro_batches, setup.virtual, full
+            setup.schedule, mesh[costs.stage_axis], setup.micro_batches, setup.virtual
         )
         compute = compute / (1 - bubble)
     step = compute + sum(c.exposed for c in found)
@@ -364,24 +363,20 @@ def fitted_efficiency(
     )
 
 
-def pipeline_bubble(
-    schedule: str, stages: int, micro: int, virtual: int = 1, recompute: float = 0.0
-) -> float:
+def pipeline_bubble(schedule: str, stages: int, micro: int, virtual: int = 1) -> float:
     """The share of a pipelined step its devices wait. The book's lockstep executor runs
     2 (m + p - 1) ticks, each as long as a backward task (a stage rebuilt and differentiated,
     three forward passes' worth, where m micro-batches' work is four): 1 - m / (1.5 (m + p - 1)).
     1F1B with v virtual stages idles p - 1 of every v m + p - 1 chunks' time (Narayanan et
-    al. 2021: `nnxscale.schedules.bubble_formula`), whatever the backward costs. ZB-H1 and
-    ZB-V (Qi et al. 2024: `zero_bubble_formula`, `zero_bubble_v_formula`) depend on the
-    costs of F, B and W: each one forward's worth, and B `recompute` forwards more when the
-    backward recomputes the forward first (1 under full remat): (p - 1) / (3m + p - 1) and
-    (p - 1) / (6m + p - 1) without."""
+    al. 2021: `nnxscale.schedules.bubble_formula`). ZB-H1 idles (p - 1) / (3m + p - 1) and
+    ZB-V (p - 1) / (6m + p - 1), F, B and W each a forward pass's worth (Qi et al. 2024:
+    `zero_bubble_formula`, `zero_bubble_v_formula`)."""
     if schedule == "lockstep":
         return 1 - micro / (1.5 * (micro + stages - 1))
     if schedule == "ZB-H1":
-        return zero_bubble_formula(stages, micro, b=1.0 + recompute)
+        return zero_bubble_formula(stages, micro)
     if schedule == "ZB-V":
-        return zero_bubble_v_formula(stages, micro, b=1.0 + recompute)
+        return zero_bubble_v_formula(stages, micro)
     return bubble_formula(stages, micro, virtual)
 
 
