@@ -322,7 +322,8 @@ def step_cost(
         "reduce": compute - forward,
         "ring": compute * costs.attention_flops(sizes) / flops,
     }
-    found, bubble = _collectives(costs, sizes, mesh, hw, window), 0.0
+    found = _collectives(costs, sizes, mesh, hw, window)
+    bubble = 0.0
     if costs.stage_axis is not None:
         bubble = pipeline_bubble(
             setup.schedule, mesh[costs.stage_axis], setup.micro_batches, setup.virtual
