@@ -19,6 +19,7 @@ from nnxscale.core.memory import CompiledMemory
 from nnxscale.costs.planner import TOLERANCE
 from nnxscale.costs.steps import sizes_of
 from nnxscale.model import TINY, Config, count_params, create
+from nnxscale.model.configs import MIXTRAL_8X7B
 from nnxscale.placement.init import abstract
 from nnxscale.placement.layout import resolve
 from nnxscale.placement.rules import STRATEGIES, strategy_mesh
@@ -725,16 +726,47 @@ def test_a_mixtures_unscanned_layers_keep_less_than_the_ledger() -> None:
     assert got < costs.step_cost(cfg, setup_of(run, cfg), H100, 64, 32).peak
 
 
-def test_a_mixture_is_priced_without_tensor_context_or_pipeline_axes() -> None:
+def test_a_mixture_is_priced_without_tensor_or_context_axes() -> None:
     assert costs.unpriced(STRATEGIES["FSDP+EP"], 2) == ""
-    for name in ("TP", "FSDP+TP", "CP", "PP"):
+    for name in ("TP", "FSDP+TP", "CP"):
         assert "does not price for a mixture of experts" in costs.unpriced(STRATEGIES[name], 1)
-        with pytest.raises(ValueError, match="use data, FSDP and expert parallelism"):
+        with pytest.raises(ValueError, match="use data, FSDP, expert and pipeline parallelism"):
             costs.derive(STRATEGIES[name], moe=1)
+    for name in ("PP", "PP+FSDP+EP"):  # the book's executor returns no auxiliary loss
+        assert "lockstep executor does not" in costs.unpriced(STRATEGIES[name], 1)
+        assert costs.unpriced(STRATEGIES[name], 1, "1F1B") == ""
     setup = costs.Setup.of(STRATEGIES["EP"], {"expert": 8})
     assert costs.unsuitable(MIXTURE.replace(experts=6), setup, 8, 32).startswith(
         "the expert axis (8) does not divide experts (6)"
     )
+
+
+@pytest.mark.parametrize("schedule, remat", [("1F1B", False), ("1F1B", "full"), ("ZB-V", "dots")])
+def test_a_mixture_in_pipeline_stages_is_priced_as_its_layers_outside_them(schedule, remat) -> None:
+    """PP+FSDP+EP at Mixtral's sizes: the state per device is the layout's, resolved on an
+    abstract mesh; the FLOPs are the step's over the devices; each device's all-to-alls
+    carry what FSDP+EP's carry with the stages folded into `data` (a quarter of the layers
+    for four times the tokens), and the stages hand over what a dense model's do."""
+    cfg = MIXTRAL_8X7B.replace(capacity_factor=1.25, max_len=4096)
+    shape, batch = {"stage": 4, "fsdp": 8, "expert": 8}, 1024
+    rules = STRATEGIES["PP+FSDP+EP"]
+    setup = costs.Setup.of(rules, shape, 16, remat, schedule=schedule)
+    assert costs.unsuitable(cfg, setup, batch, 4096) == ""
+    cost = costs.step_cost(cfg, setup, H100, batch, 4096)
+    mesh = AbstractMesh(tuple(shape.values()), rules.axes, axis_types=(AxisType.Auto,) * 3)
+    params = nnx.state(abstract(lambda: create(cfg)), nnx.Param)
+    layout = resolve(params, rules, mesh, warn_bytes=math.inf)
+    assert cost.memory["parameters"] == layout.bytes_per_device()
+    assert cost.flops == costs.step_flops(cfg, batch, 4096, remat=remat) / 256
+    folded = costs.Setup.of(STRATEGIES["FSDP+EP"], {"data": 32, "expert": 8}, 4, remat)
+    outside = costs.step_cost(cfg, folded, H100, batch, 4096)
+
+    def sent(c: costs.StepCost, kind: str) -> float:
+        return sum(x.sent for x in c.collectives if x.transfer.kind == kind)
+
+    assert sent(cost, "all-to-all") == sent(outside, "all-to-all") > 0
+    dense = costs.step_cost(cfg.replace(experts=0), setup, H100, batch, 4096)
+    assert sent(cost, "collective-permute") == sent(dense, "collective-permute") > 0
 
 
 def test_the_ledger_holds_the_four_parts_of_the_state_and_the_step() -> None:

@@ -252,12 +252,14 @@ def test_flax_sharding_rules_metadata_and_context_are_read() -> None:
         layout = nx.resolve(nx.abstract(create), base, mesh)
     assert layout["u/kernel"].spec == P("model", None)
     # Flax's rule first, the rule set's candidates as fallbacks
-    layered = nx.rules.flax_rules(
+    layered = nx.annotations.flax_rules(
         [("out", "model")], nx.Rules("x", {"out": ("data",), "hidden": ()})
     )
     assert layered.logical["out"] == (("model",), "data") and layered.name == "Flax rules over x"
     assert nx.resolve(nx.abstract(create), layered, mesh)["u/kernel"].spec == P(None, "model")
-    odd = nx.rules.flax_rules([("out", "data")], nx.Rules("y", {"out": ("model",), "hidden": ()}))
+    odd = nx.annotations.flax_rules(
+        [("out", "data")], nx.Rules("y", {"out": ("model",), "hidden": ()})
+    )
     assert nx.resolve(nx.abstract(create), odd, mesh)["u/kernel"].spec == P(None, "model")
     with (
         pytest.raises(nx.rules.RuleError, match="lacks"),
@@ -267,17 +269,17 @@ def test_flax_sharding_rules_metadata_and_context_are_read() -> None:
 
 
 def test_flax_rules_build_a_rule_set_with_its_mesh_and_batch() -> None:
-    rules = nx.rules.flax_rules([("embed", "fsdp"), ("mlp", "tensor"), ("vocab", None)])
+    rules = nx.annotations.flax_rules([("embed", "fsdp"), ("mlp", "tensor"), ("vocab", None)])
     assert rules.axes == ("fsdp", "tensor") and rules.logical["batch"] == ("fsdp",)
     assert rules.logical["vocab"] == ()
     # a name's rules in Flax's order, then the base's; a None after them stops the list
-    ordered = nx.rules.flax_rules(
+    ordered = nx.annotations.flax_rules(
         [("mlp", "model"), ("mlp", "data"), ("heads", "model"), ("heads", None)], nx.FSDP_TP
     )
     assert ordered.logical["mlp"] == (("model",), ("data",))
     assert ordered.logical["heads"] == (("model",),)
     with pytest.raises(nx.rules.RuleError, match="no mesh axes given"):
-        nx.rules.flax_rules([("vocab", None)])
+        nx.annotations.flax_rules([("vocab", None)])
 
 
 def test_mesh_axis_rules_infer_the_batch_axis_or_say_which_to_name() -> None:

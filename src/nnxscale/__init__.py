@@ -29,7 +29,8 @@ from nnxscale.costs.planner import plan
 from nnxscale.model import configs, context, dropless, growth, losses, moe, params
 from nnxscale.model.transformer import TINY, Config, Transformer, create
 from nnxscale.parallelism import fsdp, pipeline, schedules
-from nnxscale.placement import compiling, init, layout, mesh, naming, rounds, rules
+from nnxscale.placement import annotations, compiling, init, layout, mesh, naming, rounds, rules
+from nnxscale.placement.annotations import mesh_axis_rules
 from nnxscale.placement.init import abstract, init_sharded, shard
 from nnxscale.placement.layout import resolve
 from nnxscale.placement.mesh import make_mesh
@@ -51,7 +52,6 @@ from nnxscale.placement.rules import (
     ZERO2,
     Rules,
     auto_fsdp,
-    mesh_axis_rules,
     strategy_mesh,
 )
 from nnxscale.profiling import machine, overlap, profiles
@@ -109,9 +109,10 @@ __all__ = [
 ]
 
 MODULES = (
-    activations, agree, calculator, checkpoint, cli, comm, compiling, configs, context, costs, data,
-    devices, dropless, environment, events, figures, formula, fsdp, growth, hlo, init, integrity,
-    launch, layout, losses, machine, memory, mesh, model, moe, multi, naming, overlap, params,
-    pipeline, planner, profiles, program, rounds, rules, schedules, show, train, trees,
+    activations, agree, annotations, calculator, checkpoint, cli, comm, compiling, configs,
+    context, costs, data, devices, dropless, environment, events, figures, formula, fsdp, growth,
+    hlo, init, integrity, launch, layout, losses, machine, memory, mesh, model, moe, multi,
+    naming, overlap, params, pipeline, planner, profiles, program, rounds, rules, schedules,
+    show, train, trees,
 )  # fmt: skip
 """The modules, each reached as `nx.<module>`: the rest of the library, spelled with its home."""

@@ -167,7 +167,7 @@
     }
     const kind = String(mlpKind(cfg));
     const tables = f1b ? s.one_f_one_b : s.mlp;
-    const problem = mixtureProblem(cfg) || (kind in tables ? "" : s.unpriced);
+    const problem = mixtureProblem(cfg) || (kind in tables ? "" : s.unpriced[f1b ? "1F1B" : "lockstep"]);
     if (problem) return { reason: problem, mesh };
     const table = tables[kind];
     const c = table[remat in table ? remat : Object.keys(table)[0]];

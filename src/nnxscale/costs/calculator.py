@@ -92,7 +92,9 @@ def spec() -> dict[str, Any]:
         strategies[name] = {
             "axes": list(rules.axes),
             "used": [a for a in rules.axes if a in rules.mesh_axes()],
-            "unpriced": unpriced(rules, 1),
+            "unpriced": {
+                schedule: unpriced(rules, 1, schedule) for schedule in ("lockstep", "1F1B")
+            },
             "mlp": _formulas(rules, "lockstep", (False,) if pipeline else REMATS),
             "one_f_one_b": _formulas(rules, "1F1B", REMATS) if pipeline else {},
         }

@@ -46,10 +46,10 @@ from nnxscale.costs.formula import Formula
 from nnxscale.costs.moves import (
     activation_transfers,
     context_axis,
-    ring_hops,
     tensor_all_reduces,
 )
 from nnxscale.model.transformer import Config, remat_policy
+from nnxscale.placement.layout import ROUTED
 from nnxscale.placement.rules import Rules
 
 
@@ -162,24 +162,26 @@ def _reduced_once(costs: Costs, arrays: list[PlacedArray]) -> Costs:
 
 def unpriced(rules: Rules, moe: int, schedule: str = "lockstep") -> str:
     """Why the cost model has no formulas for `rules` on this model and pipeline `schedule`,
-    or "": for a mixture of experts, tensor, context and pipeline axes (what the compiled
-    steps were checked against is data, FSDP and expert parallelism); for a context ring
-    inside pipeline stages, the lockstep executor (`nnxscale.pipeline` runs no ring)."""
+    or "": for a mixture of experts, tensor and context axes (what the compiled steps were
+    checked against is data, FSDP and expert parallelism), and the lockstep executor, whose
+    stages return no auxiliary loss; for a context ring inside pipeline stages, the lockstep
+    executor too (`nnxscale.pipeline` runs no ring)."""
     staged = bool(rules.axes_of("layers"))
-    if not moe and schedule == "lockstep" and staged and context_axis(rules) is not None:
+    lockstep = staged and schedule == "lockstep"
+    if moe:
+        arrays = arrays_of(rules, True)
+        tensor = any(tensor_axes(arrays, name, rules) for name in ("heads", "mlp", "vocab"))
+        if tensor or context_axis(rules) is not None:
+            return (
+                f"rule set {rules.name!r} has tensor or context axes, which the cost model "
+                "does not price for a mixture of experts: use data, FSDP, expert and pipeline "
+                "parallelism (EP, FSDP+EP, PP+FSDP+EP)"
+            )
+    if lockstep and (moe or context_axis(rules) is not None):
+        what = "a mixture of experts" if moe else "a context ring inside pipeline stages"
         return (
-            f"rule set {rules.name!r} runs a context ring inside pipeline stages, which the "
-            "book's lockstep executor does not: price it with schedule='1F1B'"
-        )
-    if not moe:
-        return ""
-    arrays = arrays_of(rules, True)
-    tensor = any(tensor_axes(arrays, name, rules) for name in ("heads", "mlp", "vocab"))
-    if tensor or context_axis(rules) is not None or _tensor_stage(arrays) is not None:
-        return (
-            f"rule set {rules.name!r} has tensor, context or pipeline axes, which the cost "
-            "model does not price for a mixture of experts: use data, FSDP and expert "
-            "parallelism (EP, FSDP+EP)"
+            f"rule set {rules.name!r} runs {what}, which the book's lockstep executor does "
+            "not: price it with schedule='1F1B'"
         )
     return ""
 
@@ -254,7 +256,7 @@ def _derive(rules: Rules, compute_dtype: str, remat: bool | str, moe: int, sched
     stage = _tensor_stage(arrays)
     if stage is not None and schedule != "lockstep":  # 1F1B's formulas, and ZB's
         held = (state, head_gradients, tuple(splits))
-        return _one_f_one_b(rules, arrays, held, stage, compute_dtype, policy)
+        return _one_f_one_b(rules, arrays, held, stage, compute_dtype, policy, moe)
     if stage is not None:
         return _pipeline(
             rules, arrays, state, gradients, head_gradients, tuple(splits), stage, width
@@ -271,9 +273,8 @@ def _derive(rules: Rules, compute_dtype: str, remat: bool | str, moe: int, sched
     head = per_micro_batch(split_by(Formula.product(["batch", "seq", "vocab"], LOGIT_BYTES), rules))
     passes = Formula.of("micro") * (2 if policy else 1)
     transfers = weight_transfers(arrays, rules, passes, Formula.of("micro"), width)
-    again = policy == "full" or (policy == "dots" and bool(moe))  # the experts' slots again
     transfers += activation_transfers(
-        arrays, rules, width, 3 if again else 2, bool(moe), policy is not None
+        arrays, rules, width, _passes(policy, moe), bool(moe), policy is not None
     )
     accumulator = gradients
     flops = _step_flops(policy, bool(moe), ring).per(rules.axes)
@@ -295,6 +296,12 @@ def _derive(rules: Rules, compute_dtype: str, remat: bool | str, moe: int, sched
         None,
         **extra,
     )
+
+
+def _passes(policy: str | None, moe: int) -> int:
+    """How often a layer's activations move in a step: forward and backward, and forward
+    again when remat rebuilds them (with `dots`, only a mixture's slots are rebuilt)."""
+    return 3 if policy == "full" or (policy == "dots" and bool(moe)) else 2
 
 
 def _extra(
@@ -393,6 +400,7 @@ def _one_f_one_b(
     stage: str,
     compute_dtype: str,
     policy: str | None,
+    moe: int,
 ) -> Costs:
     """The formulas of a step on a 1F1B pipeline of `micro` micro-batches over `stage`, one
     program per stage (`SCHEDULES`), with `virtual` stages per device: each device keeps
@@ -403,14 +411,16 @@ def _one_f_one_b(
     inner FSDP axis and reduce-scattered once, as Llama 3's FSDP inside stages), runs TP's
     all-reduces and a context ring's hops for its own layers in each of its passes, and
     hands an activation forward and a gradient back at each virtual stage, split as
-    sequence parallelism splits them (Megatron-LM's scatter/gather of hand-overs)."""
+    sequence parallelism splits them (Megatron-LM's scatter/gather of hand-overs). A
+    mixture of experts (`moe`) keeps what its layers keep and runs expert parallelism's
+    all-to-alls for its own layers, as outside a pipeline."""
     state, head_gradients, splits = held
     width = DTYPE_BYTES[compute_dtype]
     tokens = set(rules.token_axes(rules.axes))
     whole = _stage_whole(arrays, tokens)
-    _, copies, rebuilt = _kept(rules, arrays, compute_dtype, policy, 0)
+    _, copies, rebuilt = _kept(rules, arrays, compute_dtype, policy, moe)
     ring = context_axis(rules)
-    k = kept(compute_dtype, policy or False, ring=ring is not None)
+    k = kept(compute_dtype, policy or False, ring=ring is not None, moe=moe)
     blocks = _local(k.local, rules) if ring else Formula()
     layer = split_kept(k.layer, k.on_stream("layer"), rules) + _layer_terms(blocks) / "layers"
     layer = per_micro_batch(layer)
@@ -421,9 +431,8 @@ def _one_f_one_b(
     head = per_micro_batch(split_by(Formula.product(["batch", "seq", "vocab"], LOGIT_BYTES), rules))
     once = Formula.of(1)
     transfers = weight_transfers(arrays, rules, once, once, STATE_BYTES)
-    passes = 3 if policy == "full" else 2
-    moved = tensor_all_reduces(arrays, rules, width, passes) + ring_hops(
-        rules, width, policy is not None
+    moved = activation_transfers(
+        arrays, rules, width, _passes(policy, moe), bool(moe), policy is not None
     )
     transfers += _in_stages(moved, stage)
     micro = per_micro_batch(split_by(Formula.product(["batch", "seq", "embed"], width), rules))
@@ -434,9 +443,10 @@ def _one_f_one_b(
     )
     common = (rules, state, whole, head_gradients, splits, stage)
     weights = (whole if tokens else Formula()) + copies
-    flops = _step_flops(policy, False, ring).per(rules.axes)
+    flops = _step_flops(policy, bool(moe), ring).per(rules.axes)
     parts = (activations, weights, rebuilt, head, transfers, flops)
-    return _stage_costs(common, *parts, **_extra(rules, policy=policy), schedule="1F1B")
+    extra = _extra(rules, moe=bool(moe), policy=policy)
+    return _stage_costs(common, *parts, **extra, schedule="1F1B")
 
 
 def _layer_terms(formula: Formula) -> Formula:
@@ -492,9 +502,16 @@ HAND_OVERS = "stage inputs and their gradients"
 
 def _stage_whole(arrays: list[PlacedArray], tokens: set[str]) -> Formula:
     """A stage's parameters per device, whole over the axes that split the batch (an inner
-    FSDP axis), in float32: what a pipeline gathers once a step and sums gradients into."""
+    FSDP axis; a mixture's experts stay split over expert parallelism's axis), in float32:
+    what a pipeline gathers once a step and sums gradients into."""
     return _total(
-        a.elements.per(x for d in a.axes["params"] for x in d if x not in tokens) * STATE_BYTES
+        a.elements.per(
+            x
+            for name, d in zip(a.names, a.axes["params"], strict=True)
+            for x in d
+            if name in ROUTED or x not in tokens
+        )
+        * STATE_BYTES
         for a in arrays
     )
 

@@ -64,17 +64,19 @@ stages would cut a step into many small micro-batches to shrink the pipeline's b
 1.29 to 1.34 times as fast as Llama 3's layout), which no published run at that length does;
 Llama 3 used it at 131k tokens only."""
 
-EXPERT_PLANNED = ("EP", "FSDP+EP")
+EXPERT_PLANNED = ("EP", "FSDP+EP", "PP+FSDP+EP")
 """The rule sets the planner adds for a mixture of experts."""
 
 
 def planned(cfg: Config) -> tuple[str, ...]:
     """The rule sets the planner considers for `cfg`: `PLANNED`, and for a mixture of experts
-    those of them the cost model prices for one (no tensor, context or pipeline axes: a plan
-    that names such a rule set says so) and `EXPERT_PLANNED`."""
+    those of them the cost model prices for one (no tensor or context axes; pipelines on
+    1F1B and zero-bubble schedules: a plan that names another rule set says why) and
+    `EXPERT_PLANNED`."""
     if not cfg.experts:
         return PLANNED
-    return tuple(n for n in PLANNED if not unpriced(STRATEGIES[n], 1)) + EXPERT_PLANNED
+    priced = (n for n in PLANNED if not unpriced(STRATEGIES[n], 1, "1F1B"))
+    return (*priced, *EXPERT_PLANNED)
 
 
 REMATS: tuple[bool | str, ...] = (False, "dots", "full")
@@ -363,7 +365,7 @@ def candidates(
 ) -> Iterator[tuple[Setup, str]]:
     """Every setup of `rules` the planner tries, and why it cannot run if it cannot: a
     pipeline on the book's lockstep executor (which rebuilds each stage itself; not with a
-    context ring, which it does not run), on 1F1B with each remat policy and `VIRTUAL`
+    context ring or a mixture, which it does not run), on 1F1B with each remat policy and `VIRTUAL`
     stages, and on ZB-H1 and ZB-V without full remat; with micro-batches, gradients
     reduced once per micro-batch and once a step (`Setup.reduce_once`; a pipeline reduces
     once already)."""
@@ -372,7 +374,7 @@ def candidates(
         ("lockstep", 1, remat) for remat in REMATS
     )
     if stage is not None:
-        lockstep = () if unpriced(rules, 0) else (("lockstep", 1, False),)
+        lockstep = () if unpriced(rules, int(bool(cfg.experts))) else (("lockstep", 1, False),)
         f1b = (("1F1B", v, r) for v in VIRTUAL for r in REMATS)
         zb = ((name, 1, r) for name in ("ZB-H1", "ZB-V") for r in REMATS if r != "full")
         runs = (*lockstep, *f1b, *zb)

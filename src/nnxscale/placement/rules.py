@@ -120,9 +120,9 @@ class Rules:
             target = flax[logical_name]
             if target is None:
                 return ()
-            first = _as_tuple(target)  # type: ignore[arg-type]
+            first = as_tuple(target)  # type: ignore[arg-type]
             rest = self.logical.get(logical_name, ())
-            return (first, *(c for c in map(_as_tuple, rest) if c != first))
+            return (first, *(c for c in map(as_tuple, rest) if c != first))
         if logical_name not in self.logical:
             known = ", ".join(sorted(self.logical)) or "no names"
             raise RuleError(
@@ -157,12 +157,12 @@ class Rules:
 
     def mesh_axes(self) -> set[str]:
         """Every mesh axis the rule set refers to."""
-        axes = {a for cands in self.logical.values() for c in cands for a in _as_tuple(c)}
+        axes = {a for cands in self.logical.values() for c in cands for a in as_tuple(c)}
         return axes | ({self.auto_axis} if self.auto_axis else set())
 
     def axes_of(self, name: str) -> tuple[str, ...]:
         """Every mesh axis among the candidates for logical axis `name`, in order."""
-        return tuple(a for c in self.logical.get(name, ()) for a in _as_tuple(c))
+        return tuple(a for c in self.logical.get(name, ()) for a in as_tuple(c))
 
     def shards_anything(self) -> bool:
         """Whether the rule set splits any parameter (DP and PP's replicated parts do not)."""
@@ -177,8 +177,8 @@ class Rules:
         found: list[str] = []
         for name in ("batch", "length"):
             for axes in self.logical.get(name, ()):
-                if set(_as_tuple(axes)) <= present:
-                    found += [a for a in _as_tuple(axes) if a not in found]
+                if set(as_tuple(axes)) <= present:
+                    found += [a for a in as_tuple(axes) if a not in found]
                     break
         return tuple(found)
 
@@ -202,7 +202,8 @@ class Rules:
         return tuple(shape)
 
 
-def _as_tuple(candidate: MeshAxes) -> tuple[str, ...]:
+def as_tuple(candidate: MeshAxes) -> tuple[str, ...]:
+    """A candidate's mesh axes as a tuple (one axis, or several used together)."""
     return (candidate,) if isinstance(candidate, str) else tuple(candidate)
 
 
@@ -429,6 +430,20 @@ FSDP_EP = Rules(
 )
 """Expert parallelism over `expert` and FSDP over `data`: the experts split over both."""
 
+PP_FSDP_EP = Rules(
+    "PP+FSDP+EP",
+    {
+        **PP_FSDP.logical,
+        "batch": ((FSDP_AXIS, EXPERT),),
+        "experts": (EXPERT,),
+        "groups": (FSDP_AXIS,),
+    },
+    axes=(STAGE, FSDP_AXIS, EXPERT),
+    sizes=(-1, 2, 2),
+)
+"""Pipeline stages over `stage`, and FSDP+EP inside each stage (over `fsdp` and `expert`):
+DeepSeek-V3's layout (16 stages, experts over 64 devices), with FSDP where it used ZeRO-1."""
+
 STRATEGIES = {
     rules.name: rules
     for rules in (
@@ -451,6 +466,7 @@ STRATEGIES = {
         PP_FSDP_CP_TP,
         EP,
         FSDP_EP,
+        PP_FSDP_EP,
     )
 }
 """Every rule set of the book, with the mesh axes and sizes each is meant for."""
@@ -466,7 +482,7 @@ def compare(*rule_sets: Rules) -> Markdown:
     def cell(rules: Rules, name: str) -> str:
         if name not in rules.logical:
             return "(no rule)"
-        options = ["+".join(_as_tuple(c)) for c in rules.logical[name]]
+        options = ["+".join(as_tuple(c)) for c in rules.logical[name]]
         return " then ".join(options) if options else "replicated"
 
     rows = [[name, *(cell(rules, name) for rules in rule_sets)] for name in names]
@@ -499,84 +515,6 @@ def auto_fsdp(
         axes=axes,
         sizes=sizes,
     )
-
-
-BATCH_AXES = ("data", "fsdp", "batch", "replica", "dp")
-"""Mesh axis names that `mesh_axis_rules` takes for the batch's when it is not given, first
-found first."""
-
-
-def mesh_axis_rules(
-    axes: tuple[str, ...] | Mesh = ("data", "model"),
-    sizes: tuple[int, ...] | None = None,
-    *,
-    batch: MeshAxes | str | None = "infer",
-) -> Rules:
-    """Rules for a model annotated with mesh axis names (as Flax's examples do): each name maps
-    to the mesh axis of that name. `axes` is the axis names, or a mesh (its names and sizes);
-    `sizes` default to the mesh's, else (-1, 1, ...). The batch is split over `batch`: by
-    default the first of `BATCH_AXES` the mesh has; None keeps it whole on every device."""
-    if isinstance(axes, Mesh):
-        sizes = sizes or tuple(axes.shape[name] for name in axes.axis_names)
-        axes = tuple(axes.axis_names)
-    axes = tuple(axes)
-    if not axes:
-        raise RuleError("no mesh axes given: pass their names, or a mesh")
-    sizes = sizes or (-1, *([1] * (len(axes) - 1)))
-    if batch == "infer":
-        batch = next((name for name in BATCH_AXES if name in axes), None)
-        if batch is None:
-            raise RuleError(
-                f"mesh axes {axes}: none is named like a batch axis ({', '.join(BATCH_AXES)}), "
-                f"so say which splits the batch: mesh_axis_rules(..., batch={axes[0]!r}), or "
-                "batch=None to keep every example on every device."
-            )
-    missing = [a for a in (_as_tuple(batch) if batch else ()) if a not in axes]
-    if missing:
-        raise RuleError(
-            f"batch={batch!r} names {missing}, which is not among the mesh axes {axes}: pass "
-            f"batch= one of them (e.g. batch={axes[0]!r}), or batch=None to keep it whole."
-        )
-    logical = {axis: (axis,) for axis in axes}
-    return Rules(
-        f"mesh axes {'/'.join(axes)}",
-        {**logical, "batch": (batch,) if batch else ()},
-        axes=axes,
-        sizes=tuple(sizes),
-    )
-
-
-def flax_rules(
-    logical_rules: Iterable[tuple[str, MeshAxes | None]],
-    base: Rules | None = None,
-    *,
-    axes: tuple[str, ...] | Mesh | None = None,
-    batch: MeshAxes | str | None = "infer",
-) -> Rules:
-    """A rule set from Flax's logical axis rules (the pairs `nnx.logical_axis_rules` and a
-    variable's `sharding_rules` take): each logical name tries Flax's mesh axes first, then
-    `base`'s candidates for it as fallbacks; `base` (auto-FSDP, strict, ZeRO's roles) keeps
-    the rest. Without `base`, the mesh is `axes` (names or a mesh, whose sizes it then keeps;
-    default the axes the Flax rules name, in order, sized as `mesh_axis_rules` sizes them)
-    and the batch as in `mesh_axis_rules`."""
-    pairs = [(str(name), target) for name, target in logical_rules]
-    if base is None:
-        named = [a for _, t in pairs if t for a in _as_tuple(t)]  # type: ignore[arg-type]
-        base = mesh_axis_rules(axes or tuple(dict.fromkeys(named)), batch=batch)
-        base = base.replace(logical={"batch": base.logical["batch"]})
-    targets: dict[str, list[tuple[str, ...] | None]] = {}
-    for name, target in pairs:  # Flax tries a name's rules in the order given
-        targets.setdefault(name, []).append(None if target is None else _as_tuple(target))
-    logical = dict(base.logical)
-    for name, tried in targets.items():
-        if None in tried:  # replicate: the rules before it are still tried first
-            tried = tried[: tried.index(None)]
-            logical[name] = tuple(tried)
-            continue
-        rest = [c for c in logical.get(name, ()) if _as_tuple(c) not in tried]
-        logical[name] = (*tried, *rest)
-    over = f" over {base.name}" if base.name and not base.name.startswith("mesh axes") else ""
-    return base.replace(name=f"Flax rules{over}", logical=logical)
 
 
 def strategy_mesh(rules: Rules, devices: int | None = None, *, explicit: bool = False) -> Mesh:
