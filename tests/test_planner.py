@@ -119,26 +119,26 @@ MIXTURE = costs.SEVEN_B.replace(experts=8, top_k=2, capacity_factor=1.25, mlp=21
 
 def test_a_mixture_is_planned_with_expert_parallelism() -> None:
     """A mixture adds EP, FSDP+EP and PP+FSDP+EP, whose meshes put experts on an `expert`
-    axis that divides them; rule sets the cost model does not price for a mixture (tensor or
-    context axes) are not tried, and a plan that names one says why; pipelines are priced
-    on 1F1B and zero-bubble schedules, not on the book's lockstep executor."""
+    axis that divides them; rule sets the cost model does not price for a mixture (context
+    axes) are not tried, and a plan that names one says why; pipelines are priced on 1F1B
+    and zero-bubble schedules, not on the book's lockstep executor."""
     mixed = planner.plan(MIXTURE, 64, "H100", global_batch=512, seq=4096)
     assert planner.planned(MIXTURE) == (
-        *("DP", "ZeRO-2", "FSDP", "HSDP", "PP", "PP+FSDP"),
+        *("DP", "ZeRO-2", "FSDP", "HSDP", "TP", "FSDP+TP", "PP", "PP+FSDP", "PP+FSDP+TP"),
         *("EP", "FSDP+EP", "PP+FSDP+EP"),
     )
     staged = [o for o in mixed.options if o.strategy.startswith("PP") and o.cost]
     assert staged and all(o.setup.schedule != "lockstep" for o in staged)
     tried = {o.strategy for o in mixed.options}
-    assert {"EP", "FSDP+EP"} <= tried and "TP" not in tried
+    assert {"EP", "FSDP+EP", "TP"} <= tried and "CP" not in tried
     ep = [o for o in mixed.options if o.strategy == "EP"]
     assert {dict(o.setup.mesh)["expert"] for o in ep if o.cost} == {1, 2, 4, 8}
     assert all("does not divide experts (8)" in o.reason for o in ep if not o.cost)
     assert mixed.best.fits and mixed.best.strategy in tried
-    asked = planner.plan(MIXTURE, 8, "H100", global_batch=64, seq=4096, strategies=["TP", "EP"])
-    assert asked.rejected["TP"].startswith("rule set 'TP' has tensor or context axes")
-    with pytest.raises(ValueError, match="TP: rule set 'TP' has tensor"):
-        _ = planner.plan(MIXTURE, 8, "H100", global_batch=64, seq=4096, strategies=["TP"]).best
+    asked = planner.plan(MIXTURE, 8, "H100", global_batch=64, seq=4096, strategies=["CP", "EP"])
+    assert asked.rejected["CP"].startswith("rule set 'CP' splits the sequence")
+    with pytest.raises(ValueError, match="CP: rule set 'CP' splits the sequence"):
+        _ = planner.plan(MIXTURE, 8, "H100", global_batch=64, seq=4096, strategies=["CP"]).best
 
 
 @pytest.mark.parametrize("devices", [8, 64])

@@ -330,7 +330,7 @@ def kept(
     if compute_dtype != "float32":
         layer, model = layer - copies(1), model - copies(0)
     stream = None
-    if not moe:  # a mixture under sequence parallelism is not traced (nor priced)
+    if not moe:  # a mixture's stream is not traced apart: sequence parallelism splits none
         streams = _stream(cfg.replace(compute_dtype=compute_dtype), dropout)
         stream = Kept(_pick(streams, 1), _pick(streams, 0), Formula(), Formula(), Formula())
     rebuilt = Formula()

@@ -348,10 +348,15 @@ def products(moe: bool = False) -> tuple[Product, ...]:
     )
 
 
-def product_flops(remat: str | None, moe: bool = False) -> Formula:
-    """Matmul FLOPs of one step over all devices (`step_flops`), as a formula."""
+ROUTING = ("router", "dispatch", "combine")
+"""A mixture's products that route tokens: they contract no tensor-parallel dimension."""
+
+
+def product_flops(remat: str | None, moe: bool = False, only: tuple[str, ...] = ()) -> Formula:
+    """Matmul FLOPs of one step over all devices (`step_flops`), as a formula: of every
+    product, or of those named in `only`."""
     total = Formula()
-    for p in products(moe):
+    for p in (p for p in products(moe) if not only or p.name in only):
         again = (remat == "full" and p.full) or (remat == "dots" and p.dots)
         total += p.forward * (1 + p.backward + again)
     return total

@@ -34,6 +34,7 @@ from nnxscale.costs.counts import (
     DTYPE_BYTES,
     LOGIT_BYTES,
     OPTIMIZER_COPIES,
+    ROUTING,
     SIZES,
     STATE_BYTES,
     Setup,
@@ -168,15 +169,11 @@ def unpriced(rules: Rules, moe: int, schedule: str = "lockstep") -> str:
     executor too (`nnxscale.pipeline` runs no ring)."""
     staged = bool(rules.axes_of("layers"))
     lockstep = staged and schedule == "lockstep"
-    if moe:
-        arrays = arrays_of(rules, True)
-        tensor = any(tensor_axes(arrays, name, rules) for name in ("heads", "mlp", "vocab"))
-        if tensor or context_axis(rules) is not None:
-            return (
-                f"rule set {rules.name!r} has tensor or context axes, which the cost model "
-                "does not price for a mixture of experts: use data, FSDP, expert and pipeline "
-                "parallelism (EP, FSDP+EP, PP+FSDP+EP)"
-            )
+    if moe and context_axis(rules) is not None:
+        return (
+            f"rule set {rules.name!r} splits the sequence, which the cost model does not price "
+            "for a mixture of experts: use data, FSDP, expert, tensor and pipeline parallelism"
+        )
     if lockstep and (moe or context_axis(rules) is not None):
         what = "a mixture of experts" if moe else "a context ring inside pipeline stages"
         return (
@@ -268,7 +265,6 @@ def _derive(rules: Rules, compute_dtype: str, remat: bool | str, moe: int, sched
         for a in arrays
         if "layers" in a.names
     )
-    ring = context_axis(rules)
     activations, weights, rebuilt = _kept(rules, arrays, compute_dtype, policy, moe)
     head = per_micro_batch(split_by(Formula.product(["batch", "seq", "vocab"], LOGIT_BYTES), rules))
     passes = Formula.of("micro") * (2 if policy else 1)
@@ -277,7 +273,7 @@ def _derive(rules: Rules, compute_dtype: str, remat: bool | str, moe: int, sched
         arrays, rules, width, _passes(policy, moe), bool(moe), policy is not None
     )
     accumulator = gradients
-    flops = _step_flops(policy, bool(moe), ring).per(rules.axes)
+    flops = _device_flops(rules, arrays, policy, moe)
     extra = _extra(rules, moe=bool(moe), policy=policy)
     return Costs(
         rules,
@@ -443,7 +439,7 @@ def _one_f_one_b(
     )
     common = (rules, state, whole, head_gradients, splits, stage)
     weights = (whole if tokens else Formula()) + copies
-    flops = _step_flops(policy, bool(moe), ring).per(rules.axes)
+    flops = _device_flops(rules, arrays, policy, moe)
     parts = (activations, weights, rebuilt, head, transfers, flops)
     extra = _extra(rules, moe=bool(moe), policy=policy)
     return _stage_costs(common, *parts, **extra, schedule="1F1B")
@@ -454,13 +450,20 @@ def _layer_terms(formula: Formula) -> Formula:
     return Formula({p: c for p, c in formula.terms.items() if "layers" in dict(p)})
 
 
-def _step_flops(policy: str | None, moe: bool, ring: str | None) -> Formula:
-    """Matmul FLOPs of a step over all devices: the products, with attention's as the
-    zig-zag ring scores them when a ring splits the sequence."""
-    flops = product_flops(policy, moe)
+def _device_flops(rules: Rules, arrays: list[PlacedArray], policy: str | None, moe: int) -> Formula:
+    """Matmul FLOPs of a step per device: the products over all devices, with attention's as
+    the zig-zag ring scores them when a ring splits the sequence; a mixture's routing
+    (`ROUTING`) is computed whole on every device of a tensor axis, unless sequence
+    parallelism splits the stream it routes over that axis."""
+    ring = context_axis(rules)
+    flops = product_flops(policy, bool(moe))
     if ring is not None:
         flops += _ring_flops(policy, ring) - _ring_flops(policy, None)
-    return flops
+    if not moe:
+        return flops.per(rules.axes)
+    routing = product_flops(policy, True, ROUTING)
+    tensor = set(tensor_axes(arrays, "mlp", rules)) - set(rules.axes_of("residual_length"))
+    return (flops - routing).per(rules.axes) + routing.per(a for a in rules.axes if a not in tensor)
 
 
 def _stage_costs(

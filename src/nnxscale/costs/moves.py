@@ -36,34 +36,38 @@ def activation_transfers(
     """What moves activations between devices: tensor parallelism's all-reduces, expert
     parallelism's all-to-alls (in each of `passes`) and ring attention's hops (their forward
     again when remat rebuilds the layer: `rerun`)."""
-    found = tensor_all_reduces(arrays, rules, width, passes)
+    found = tensor_all_reduces(arrays, rules, width, passes, moe)
     if moe:
         found += expert_all_to_alls(rules, width, passes)
     return found + ring_hops(rules, width, rerun)
 
 
 def tensor_all_reduces(
-    arrays: list[PlacedArray], rules: Rules, width: float, passes: int
+    arrays: list[PlacedArray], rules: Rules, width: float, passes: int, moe: bool = False
 ) -> list[Transfer]:
-    """Tensor parallelism's all-reduces of the residual stream: two per layer for each of
-    attention and MLP if their weights are split (in each of `passes`), two for a
-    vocabulary-parallel embedding and head."""
-    stream = per_micro_batch(split_by(Formula.product(["batch", "seq", "embed"], width), rules))
+    """Tensor parallelism's all-reduces of the residual stream: one per layer for each of
+    attention and MLP if their weights are split, in each of `passes` (Megatron-LM's count),
+    two for a vocabulary-parallel embedding and head. A mixture's experts reduce their slots
+    (`moe`): the partial sums of the experts' products, before the combine."""
+
+    def per_device(sizes: str) -> Formula:
+        return per_micro_batch(split_by(Formula.product(sizes.split(), width), rules))
+
+    stream = per_device("batch seq embed")
     found = []
-    for name, per_layer, what in (
-        ("heads", True, "attention"),
-        ("mlp", True, "MLP"),
-        ("vocab", False, "embedding and head"),
+    for name, per_layer, what, array in (
+        ("heads", True, "attention outputs", stream),
+        ("mlp", True, "MLP outputs", stream),
+        ("vocab", False, "embedding and head outputs", stream),
     ):
+        if moe and name == "mlp":
+            what, array = "experts' slots", per_device("batch experts capacity embed")
         axes = tensor_axes(arrays, name, rules)
         if axes:
             count = Formula.of("layers") * passes if per_layer else Formula.of(2)
             found.append(
-                Transfer(
-                    "all-reduce", axes, stream, count * "micro", count, "blocking",
-                    f"{what} outputs",
-                )
-            )  # fmt: skip
+                Transfer("all-reduce", axes, array, count * "micro", count, "blocking", what)
+            )
     return found
 
 
