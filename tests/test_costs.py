@@ -740,6 +740,17 @@ def test_a_mixture_under_tensor_parallelism_reduces_its_slots(mixtures) -> None:
 
 
 @pytest.mark.slow
+def test_a_mixture_on_a_context_ring_computes_its_experts_on_every_device() -> None:
+    """Why the cost model refuses a mixture under CP: the layer routes whole sequences, so
+    the ring's devices sum their chunks' dispatches and each computes the same slots: the
+    compiled step does more than half the whole model's matmul FLOPs on each of 8 devices."""
+    run = trainer("CP", 8, MIXTURE)
+    program = run.compile(run.batch(Batches(CORPUS, 64, 32)))
+    assert "every device of the ring" in costs.unpriced(STRATEGIES["CP"], 2)
+    assert dot_flops(program) > costs.step_flops(MIXTURE, 64, 32) / 2
+
+
+@pytest.mark.slow
 def test_a_mixtures_unscanned_layers_keep_less_than_the_ledger() -> None:
     """A Python loop of layers lets XLA fuse the experts' GELU and keep its input alone: the
     compiled peak lies below the scanned model's ledger (the planner's), on the safe side."""

@@ -163,16 +163,17 @@ def _reduced_once(costs: Costs, arrays: list[PlacedArray]) -> Costs:
 
 def unpriced(rules: Rules, moe: int, schedule: str = "lockstep") -> str:
     """Why the cost model has no formulas for `rules` on this model and pipeline `schedule`,
-    or "": for a mixture of experts, tensor and context axes (what the compiled steps were
-    checked against is data, FSDP and expert parallelism), and the lockstep executor, whose
-    stages return no auxiliary loss; for a context ring inside pipeline stages, the lockstep
-    executor too (`nnxscale.pipeline` runs no ring)."""
+    or "": for a mixture of experts, context axes (its layer routes whole sequences) and
+    the lockstep executor, whose stages return no auxiliary loss; for a context ring inside
+    pipeline stages, the lockstep executor too (`nnxscale.pipeline` runs no ring)."""
     staged = bool(rules.axes_of("layers"))
     lockstep = staged and schedule == "lockstep"
     if moe and context_axis(rules) is not None:
         return (
             f"rule set {rules.name!r} splits the sequence, which the cost model does not price "
-            "for a mixture of experts: use data, FSDP, expert, tensor and pipeline parallelism"
+            "for a mixture of experts (the book's layer routes whole sequences, so every "
+            "device of the ring would fill and compute the same experts' slots): use data, "
+            "FSDP, expert, tensor and pipeline parallelism"
         )
     if lockstep and (moe or context_axis(rules) is not None):
         what = "a mixture of experts" if moe else "a context ring inside pipeline stages"
