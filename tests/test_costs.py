@@ -70,14 +70,40 @@ def test_fast_compile_changes_only_a_few_hundred_bytes_of_temporaries(name: str)
 MIXTURE = PLAIN.replace(experts=8, top_k=2, capacity_factor=2.0, scan_layers=True)
 """The chapters' mixture of experts, with its layers scanned as the planner's models are."""
 
+DROPLESS = MIXTURE.replace(routing="dropless", expert_block=4)
+"""The same experts, dropless, in blocks of 4 rows."""
+
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "cfg",
-    [TINY, TINY.replace(layers=3, mlp=96, heads=2, vocab=40, max_len=16), MIXTURE.replace(top_k=1)],
+    [
+        TINY,
+        TINY.replace(layers=3, mlp=96, heads=2, vocab=40, max_len=16),
+        MIXTURE.replace(top_k=1),
+        MIXTURE.replace(routing="dropless", shared_experts=2, bias_rate=1e-3),
+    ],
 )
 def test_counts_match_the_model(cfg: Config) -> None:
     assert costs.counts(cfg).total == count_params(create(cfg))
+
+
+@pytest.mark.slow
+def test_a_dropless_mixtures_flops_equal_the_compiled_dots() -> None:
+    """Dropless experts: the router, every row of the blocks (the tokens' k copies and the
+    padding, `rows`), the weighted sum of the k copies (a product only for k > 1) and the
+    shared experts, forward, backward and rebuilt, exactly as compiled. Blocks of at least 2
+    rows: XLA compiles a block of one row as a matrix-vector product, not a dot."""
+    cases = [(False, 1, 0, 8), (False, 2, 1, 8), ("full", 2, 1, 4), ("dots", 1, 2, 2)]
+    mixture = PLAIN.replace(experts=8, routing="dropless", scan_layers=True)
+    configs = [
+        mixture.replace(top_k=k, shared_experts=shared, expert_block=block, remat=remat)
+        for remat, k, shared, block in cases
+    ]
+    runs = [trainer("DP", 1, cfg) for cfg in configs]
+    programs = compile_all([(run, run.batch(BATCHES)) for run in runs])
+    for cfg, program in zip(configs, programs, strict=True):
+        assert dot_flops(program) == costs.step_flops(cfg, 8, 32, remat=cfg.remat), cfg
 
 
 def test_the_worked_models_have_their_sizes() -> None:
@@ -681,6 +707,8 @@ MIXTURE_CASES = [
     ("FSDP+EP", MIXTURE.replace(remat="dots", top_k=1, capacity_factor=1.25), 8, 1),
     ("TP", MIXTURE, 8, 1), ("FSDP+TP", MIXTURE.replace(remat="dots"), 8, 2),
     ("TP+SP", MIXTURE.replace(remat="full"), 8, 1),
+    ("FSDP", DROPLESS, 8, 1), ("FSDP", DROPLESS.replace(top_k=1, remat="dots"), 8, 2),
+    ("DP", DROPLESS.replace(remat="full"), 8, 1),
 ]  # fmt: skip
 
 
@@ -694,9 +722,10 @@ def mixtures() -> list[tuple[str, Config, Trainer, jax.stages.Compiled]]:
 
 @pytest.mark.slow
 def test_a_mixtures_flops_state_all_to_alls_and_peak_against_its_compiled_steps(mixtures) -> None:
-    """Expert and tensor parallelism's rule sets priced like any other: matmul FLOPs (router,
-    dispatch, experts, combine) and the state exact, the slots' all-to-alls array for array,
-    and the peak within the tolerance, with and without remat and micro-batches. Under a
+    """Expert and tensor parallelism's rule sets priced like any other, and dropless
+    mixtures under data parallelism and FSDP: matmul FLOPs (router, dispatch, experts,
+    combine; a dropless mixture's blocks) and the state exact, the slots' all-to-alls array
+    for array, and the peak within the tolerance, with and without remat and micro-batches. Under a
     tensor axis every device routes its tokens whole, more FLOPs than the step's share,
     unless sequence parallelism splits them."""
     low, high = TOLERANCE
@@ -758,6 +787,23 @@ def test_a_mixtures_unscanned_layers_keep_less_than_the_ledger() -> None:
     run = trainer("EP", 8, cfg)
     got = compiled_peak(run.compile(run.batch(Batches(CORPUS, 64, 32))))
     assert got < costs.step_cost(cfg, setup_of(run, cfg), H100, 64, 32).peak
+
+
+def test_a_dropless_mixture_is_priced_without_expert_or_tensor_axes() -> None:
+    """Its exchange of copies (EP) and its blocks' partial sums (TP) are not traced; shared
+    experts' FLOPs are priced (`step_flops`), not their state: each refused by name."""
+    kind = activations.mixture(DROPLESS)
+    assert kind == 4 and activations.mixture(DROPLESS.replace(top_k=1)) == 3
+    for name in ("FSDP", "HSDP"):
+        assert costs.unpriced(STRATEGIES[name], kind) == ""
+    assert costs.unpriced(STRATEGIES["PP+FSDP"], kind, "1F1B") == ""
+    for name in ("EP", "FSDP+EP", "TP", "FSDP+TP", "PP+FSDP+EP"):
+        assert "not price for a dropless mixture" in costs.unpriced(STRATEGIES[name], kind, "1F1B")
+    setup = costs.Setup.of(STRATEGIES["FSDP"], {"data": 8})
+    shared = DROPLESS.replace(shared_experts=1)
+    assert costs.unsuitable(shared, setup, 8, 32).startswith("shared_experts=1: the cost model")
+    with pytest.raises(ValueError, match="price the mixture without them"):
+        costs.step_cost(shared, setup, H100, 8, 32)
 
 
 def test_a_mixture_is_priced_without_context_axes() -> None:

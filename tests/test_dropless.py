@@ -295,13 +295,15 @@ def test_an_expert_count_or_a_split_the_exchange_cannot_take_is_refused() -> Non
         dropless.expert_parallel(x, w, top_k=2, block=4)
 
 
-def test_the_cost_model_refuses_a_dropless_mixture_by_name() -> None:
+def test_the_cost_model_prices_a_dropless_mixture_and_refuses_its_expert_parallelism() -> None:
     import nnxscale as nx
     from nnxscale import costs
 
-    cfg = nx.TINY.replace(experts=4, top_k=2, routing="dropless")
-    with pytest.raises(ValueError, match="not a dropless mixture's blocks"):
-        costs.step_cost(cfg, costs.Setup.of(nx.DP, {"data": 1}), "H100", 8, 32)
+    cfg = nx.TINY.replace(experts=4, top_k=2, routing="dropless", scan_layers=True)
+    priced = costs.step_cost(cfg, costs.Setup.of(nx.DP, {"data": 1}), "H100", 8, 32)
+    assert priced.flops == costs.step_flops(cfg, 8, 32)
+    with pytest.raises(ValueError, match="not price for a dropless mixture"):
+        costs.step_cost(cfg, costs.Setup.of(nx.EP, {"expert": 4}), "H100", 8, 32)
 
 
 def test_the_layer_reads_its_input_by_the_residual_streams_names() -> None:

@@ -141,6 +141,17 @@ def test_a_mixture_is_planned_with_expert_parallelism() -> None:
         _ = planner.plan(MIXTURE, 8, "H100", global_batch=64, seq=4096, strategies=["CP"]).best
 
 
+def test_a_dropless_mixture_is_planned_without_expert_parallelism_and_says_why() -> None:
+    """Dropless routing is priced under data parallelism, FSDP and pipelines; the rule sets
+    with an expert or tensor axis are listed as rejected, each with the reason."""
+    dropless = MIXTURE.replace(routing="dropless", expert_block=512)
+    found = planner.plan(dropless, 256, "H100", global_batch=1024, seq=4096)
+    assert found.best.fits and found.best.strategy in ("DP", "ZeRO-2", "FSDP", "HSDP", "PP+FSDP")
+    for name in ("EP", "FSDP+EP"):
+        assert "not price for a dropless mixture" in found.rejected[name]
+    assert "TP" not in {o.strategy for o in found.options}
+
+
 @pytest.mark.parametrize("devices", [8, 64])
 def test_a_4k_sequence_is_not_split_on_h100s(devices: int) -> None:
     """With blockwise attention a device does no more work per token on a whole sequence

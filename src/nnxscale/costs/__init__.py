@@ -23,7 +23,8 @@ from nnxscale.costs.counts import (
     sizes_of,
     step_flops,
 )
-from nnxscale.costs.derive import Costs, derive, unpriced, unsuitable
+from nnxscale.costs.coverage import unpriced
+from nnxscale.costs.derive import Costs, derive, unsuitable
 from nnxscale.costs.hardware import EFFICIENCY, HARDWARE, MARGIN, Hardware, hardware
 from nnxscale.costs.steps import (
     HIDDEN,

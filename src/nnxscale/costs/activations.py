@@ -18,7 +18,9 @@ A mixture of experts is traced with 37 experts whose capacity per group is itsel
 (the capacity factor is chosen to make it one), so that `experts` and `capacity` name their
 dimensions too. Its routing places the k choices of each token in a scan, so what it keeps
 per choice is stacked along a dimension of k, and a trace at k = 23 names it `top_k`. A
-mixture with one choice is traced at k = 1 (its gates are not renormalised).
+mixture with one choice is traced at k = 1 (its gates are not renormalised). A dropless
+mixture (`nnxscale.dropless`) is traced with 59 experts in blocks of one row, so that a
+sequence's rows of blocks, k seq + E - 1, are a prime too and name the `rows` dimension.
 
 Megatron's sequence parallelism splits the residual stream along the sequence: the dense model
 is traced once more under TP+SP, on Explicit axes of one device, where each kept array's type
@@ -91,6 +93,14 @@ CAPACITY = 41
 """The choices per token (when more than one) and the slots per expert and group of the
 traced mixture: primes that no other size is."""
 
+DROPLESS = 2
+"""What `mixture` adds for dropless routing."""
+
+DROPLESS_EXPERTS = 59
+"""The experts of the traced dropless mixture, in blocks of one row: a sequence's rows,
+k seq + E - 1 (`nnxscale.dropless.blocks`), are 61 at k = 1 and 127 at k = `TOP_K`, primes
+no other size is."""
+
 LOGICAL = {"batch": "batch", "seq": "length", "layers": "layers"}
 """The logical axis name of each traced dimension, where it differs from the size's name."""
 
@@ -154,12 +164,14 @@ Traced = dict[tuple[int, bool, bool], Formula]
 
 
 def mixture(cfg: Config) -> int:
-    """How the model's MLP is traced: 0 dense, 1 a mixture whose tokens choose one expert,
-    2 a mixture whose tokens choose several (`kept`'s `moe`); GShard's capacity routing only
-    (`nnxscale.costs.mixture_problem` refuses the others)."""
-    if cfg.experts and cfg.routing != "capacity":
+    """How the model's MLP is traced (`kept`'s `moe`): 0 dense; GShard's capacity routing
+    whose tokens choose one expert (1) or several (2); dropless routing, one (3) or several
+    (4) (`DROPLESS`). `nnxscale.costs.mixture_problem` refuses what is not traced."""
+    if cfg.experts and mixture_problem(cfg):
         raise ValueError(mixture_problem(cfg))
-    return min(cfg.top_k, 2) if cfg.experts else 0
+    if not cfg.experts:
+        return 0
+    return min(cfg.top_k, 2) + (DROPLESS if cfg.routing == "dropless" else 0)
 
 
 def _traced(
@@ -262,14 +274,30 @@ def _moe_traced(cfg: Config, dropout: bool, top_k: int, slots: int) -> Traced:
     return _traced(mixed, dropout, PRIMES["batch"], seq, units=units)
 
 
+def _dropless_traced(cfg: Config, dropout: bool, top_k: int) -> Traced:
+    """`_traced` for a dropless mixture of `DROPLESS_EXPERTS` experts of which each token
+    chooses `top_k`, in blocks of one row, so that its `rows` are a prime (what a block of
+    more rows keeps per block, its expert's index, is then counted per row: a few bytes)."""
+    seq = PRIMES["seq"]
+    mixed = cfg.replace(experts=DROPLESS_EXPERTS, top_k=top_k, routing="dropless", expert_block=1)
+    units = {**PRIMES, "experts": DROPLESS_EXPERTS, "rows": top_k * seq + DROPLESS_EXPERTS - 1}
+    if top_k > 1:
+        units["top_k"] = top_k
+    return _traced(mixed, dropout, PRIMES["batch"], seq, units=units)
+
+
 @functools.cache
 def _trace(cfg: Config, dropout: bool, moe: int) -> Traced:
     """What autodiff keeps for `cfg` at the primes, dense (`moe` 0) or as a mixture whose
-    tokens choose one expert (1) or `top_k` (2); once per process, since every compute dtype's
-    `kept` reads both the float32 and the bfloat16 trace (read it, do not change it)."""
+    tokens choose one expert or `top_k` (`mixture`); once per process, since every compute
+    dtype's `kept` reads both the float32 and the bfloat16 trace (read it, do not change
+    it)."""
     if not moe:
         return _traced(cfg, dropout, PRIMES["batch"], PRIMES["seq"])
-    return _moe_traced(cfg, dropout, 1 if moe == 1 else TOP_K, CAPACITY)
+    top_k = 1 if moe % DROPLESS == 1 else TOP_K
+    if moe > DROPLESS:
+        return _dropless_traced(cfg, dropout, top_k)
+    return _moe_traced(cfg, dropout, top_k, CAPACITY)
 
 
 @functools.cache

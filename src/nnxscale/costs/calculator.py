@@ -19,7 +19,8 @@ from typing import Any
 
 from nnxscale.costs.arrays import OVERLAPS
 from nnxscale.costs.counts import SCHEDULES, SEVEN_B, STATE_BYTES, Setup
-from nnxscale.costs.derive import derive, unpriced
+from nnxscale.costs.coverage import unpriced
+from nnxscale.costs.derive import derive
 from nnxscale.costs.hardware import HARDWARE
 from nnxscale.costs.planner import EXPERT_PLANNED, HEADROOM, PLANNED, REMATS
 from nnxscale.costs.steps import HIDDEN

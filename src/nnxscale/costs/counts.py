@@ -10,6 +10,7 @@ from collections.abc import Mapping
 from nnxscale.costs.formula import Formula
 from nnxscale.model.configs import LLAMA3_8B, LLAMA3_70B
 from nnxscale.model.context import BLOCK
+from nnxscale.model.dropless import blocks
 from nnxscale.model.moe import capacity
 from nnxscale.model.transformer import Config, remat_policy
 from nnxscale.placement.rules import RuleError, Rules
@@ -100,14 +101,14 @@ class Counts:
 def counts(cfg: Config) -> Counts:
     """Parameter counts of the Transformer `cfg` describes, by formula: grouped-query
     attention (queries and output over `heads`, keys and values over `kv_heads`), a SwiGLU
-    MLP of three matrices (a mixture of experts: a router and `experts` of them), two norms
-    per layer (and two of `head_dim` with QK-norm), the final norm, the embeddings and, unless
-    tied, the head."""
+    MLP of three matrices (a mixture of experts: a router and `experts` of them, and the
+    shared experts' MLP, `shared_experts` times as wide), two norms per layer (and two of
+    `head_dim` with QK-norm), the final norm, the embeddings and, unless tied, the head."""
     e, v, d = cfg.embed, cfg.vocab, cfg.head_dim
     attention = 2 * e * d * (cfg.heads + cfg.kv_heads)
     mlp = 3 * e * cfg.mlp
     if cfg.experts:
-        mlp = cfg.experts * mlp + e * cfg.experts
+        mlp = (cfg.experts + cfg.shared_experts) * mlp + e * cfg.experts
     norms = 2 * e + (2 * d if cfg.qk_norm else 0)
     layers = cfg.layers * (attention + mlp + norms)
     head = 0 if cfg.tie_embeddings else e * v
@@ -152,7 +153,8 @@ def step_flops(cfg: Config, sequences: float, seq: int, *, remat: bool | str = F
     model 6 x parameters x tokens plus the blockwise attention's 7 L b H D (s^2 + s block)
     (the block pairs under the causal mask, 2.5 times again backward)."""
     sizes = {**model_sizes(cfg, seq), "batch": sequences, "seq": seq}
-    return product_flops(remat_policy(remat), bool(cfg.experts))(sizes)
+    dropless = bool(cfg.experts) and cfg.routing == "dropless"
+    return product_flops(remat_policy(remat), bool(cfg.experts), dropless=dropless)(sizes)
 
 
 def model_sizes(cfg: Config, seq: int) -> dict[str, float]:
@@ -173,6 +175,13 @@ def model_sizes(cfg: Config, seq: int) -> dict[str, float]:
         )
     }
     sizes["top_k"] = cfg.top_k
+    sizes["summed"] = cfg.top_k if cfg.top_k > 1 else 0  # one copy is weighed, not summed
+    sizes["rows"] = (
+        blocks(cfg.top_k * seq, cfg.experts, cfg.expert_block) * cfg.expert_block
+        if cfg.experts
+        else 0
+    )
+    sizes["shared"] = cfg.shared_experts * cfg.mlp
     sizes["block"] = min(seq, BLOCK)
     sizes["capacity"] = (
         capacity(seq, cfg.experts, cfg.top_k, cfg.capacity_factor) if cfg.experts else 0
@@ -308,10 +317,13 @@ class Product:
     dots: bool
 
 
-def products(moe: bool = False) -> tuple[Product, ...]:
+def products(moe: bool = False, dropless: bool = False) -> tuple[Product, ...]:
     """The step's matrix products, dense or with a mixture of experts in place of each MLP:
     `experts` x `capacity` slots per group of `seq` tokens, filled by a one-hot dispatch
-    (whose backward pass differentiates the tokens alone) and summed back by the combine."""
+    (whose backward pass differentiates the tokens alone) and summed back by the combine;
+    or, `dropless`, each sequence's k copies of its tokens in `rows` rows of blocks
+    (`nnxscale.dropless`), weighed and `summed` back per token, and the shared experts' MLP
+    of width `shared`."""
 
     def product(
         name: str, sizes: str, flops: int, backward: float, full: bool, dots: bool
@@ -337,10 +349,21 @@ def products(moe: bool = False) -> tuple[Product, ...]:
             product("MLP down", f"{tokens} embed mlp", 2, 2, False, False),
             head,
         )
+    router = product("router", f"{tokens} embed experts", 2, 2, True, False)
+    if dropless:
+        return (
+            *attention,
+            router,
+            product("experts", "layers batch rows embed mlp", 6, 2, True, True),
+            product("combine", f"{tokens} summed embed", 2, 1, False, False),
+            product("shared gate and up", f"{tokens} embed shared", 4, 2, True, False),
+            product("shared down", f"{tokens} embed shared", 2, 2, False, False),
+            head,
+        )
     slots = f"{tokens} experts capacity embed"
     return (
         *attention,
-        product("router", f"{tokens} embed experts", 2, 2, True, False),
+        router,
         product("dispatch", slots, 2, 1, True, True),
         product("experts", "layers batch experts capacity embed mlp", 6, 2, True, True),
         product("combine", slots, 2, 2, False, False),
@@ -352,11 +375,13 @@ ROUTING = ("router", "dispatch", "combine")
 """A mixture's products that route tokens: they contract no tensor-parallel dimension."""
 
 
-def product_flops(remat: str | None, moe: bool = False, only: tuple[str, ...] = ()) -> Formula:
+def product_flops(
+    remat: str | None, moe: bool = False, only: tuple[str, ...] = (), *, dropless: bool = False
+) -> Formula:
     """Matmul FLOPs of one step over all devices (`step_flops`), as a formula: of every
-    product, or of those named in `only`."""
+    product (`products`), or of those named in `only`."""
     total = Formula()
-    for p in (p for p in products(moe) if not only or p.name in only):
+    for p in (p for p in products(moe, dropless) if not only or p.name in only):
         again = (remat == "full" and p.full) or (remat == "dots" and p.dots)
         total += p.forward * (1 + p.backward + again)
     return total
@@ -389,10 +414,10 @@ def _padded(layers: int, setup: Setup) -> int:
 def mixture_problem(cfg: Config) -> str:
     """What the cost model cannot price of `cfg`'s mixture of experts, or "" (a `Config`
     refuses a mixture that cannot run: k above the experts, a negative count)."""
-    if cfg.experts and cfg.routing != "capacity":
+    if cfg.experts and cfg.shared_experts:
         return (
-            f"routing={cfg.routing!r}: the cost model prices GShard's capacity routing "
-            "(routing='capacity'), not a dropless mixture's blocks"
+            f"shared_experts={cfg.shared_experts}: the cost model prices the FLOPs of shared "
+            "experts (`step_flops`), not their state or memory: price the mixture without them"
         )
     return ""
 

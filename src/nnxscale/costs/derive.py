@@ -19,7 +19,7 @@ import dataclasses
 import math
 from collections.abc import Iterable
 
-from nnxscale.costs.activations import kept, mixture
+from nnxscale.costs.activations import DROPLESS, kept, mixture
 from nnxscale.costs.arrays import (
     PlacedArray,
     Transfer,
@@ -43,6 +43,7 @@ from nnxscale.costs.counts import (
     products,
     sizes_of,
 )
+from nnxscale.costs.coverage import unpriced
 from nnxscale.costs.formula import Formula
 from nnxscale.costs.moves import (
     activation_transfers,
@@ -161,29 +162,6 @@ def _reduced_once(costs: Costs, arrays: list[PlacedArray]) -> Costs:
     )
 
 
-def unpriced(rules: Rules, moe: int, schedule: str = "lockstep") -> str:
-    """Why the cost model has no formulas for `rules` on this model and pipeline `schedule`,
-    or "": for a mixture of experts, context axes (its layer routes whole sequences) and
-    the lockstep executor, whose stages return no auxiliary loss; for a context ring inside
-    pipeline stages, the lockstep executor too (`nnxscale.pipeline` runs no ring)."""
-    staged = bool(rules.axes_of("layers"))
-    lockstep = staged and schedule == "lockstep"
-    if moe and context_axis(rules) is not None:
-        return (
-            f"rule set {rules.name!r} splits the sequence, which the cost model does not price "
-            "for a mixture of experts (the book's layer routes whole sequences, so every "
-            "device of the ring would fill and compute the same experts' slots): use data, "
-            "FSDP, expert, tensor and pipeline parallelism"
-        )
-    if lockstep and (moe or context_axis(rules) is not None):
-        what = "a mixture of experts" if moe else "a context ring inside pipeline stages"
-        return (
-            f"rule set {rules.name!r} runs {what}, which the book's lockstep executor does "
-            "not: price it with schedule='1F1B'"
-        )
-    return ""
-
-
 def _held(arrays: list[PlacedArray]) -> tuple[dict[str, Formula], Formula, Formula, tuple]:
     """The train state per device (parameters, optimizer state), the gradients held, the
     head's gradients, and every (size, axes) that splits a dimension of an array."""
@@ -211,12 +189,15 @@ float32 arrays of one block pair's scores (the scores, probabilities and their g
 measured on the compiled kernel; it grows with the block, not with the sequence."""
 
 
-def mlp_gradients(width: int, moe: bool) -> Formula:
+def mlp_gradients(width: int, moe: int) -> Formula:
     """What one layer's MLP holds while its backward pass runs, beside what it kept: three
     gradients as wide as its hidden units (of the down projection's input, of gate and of
-    up), over every token, or every expert's slot in a mixture."""
-    hidden = ["batch", "experts", "capacity", "mlp"] if moe else ["batch", "seq", "mlp"]
-    return Formula.product(hidden, 3 * width)
+    up), over every token, every expert's slot in a capacity mixture, or every row of a
+    dropless mixture's blocks (`moe` as `nnxscale.activations.mixture` gives it)."""
+    hidden = "batch seq mlp"
+    if moe:
+        hidden = "batch rows mlp" if moe > DROPLESS else "batch experts capacity mlp"
+    return Formula.product(hidden.split(), 3 * width)
 
 
 def _kept(
@@ -238,7 +219,7 @@ def _kept(
     if copies:
         weights = split_by(k.weights * "layers" + k.head_weights, rules, weights=True)
     rebuilt = split_by(k.rebuilt + WORKSPACE, rules) if ring is None else _local(k.rebuilt, rules)
-    gradients = split_by(mlp_gradients(DTYPE_BYTES[compute_dtype], bool(moe)), rules)
+    gradients = split_by(mlp_gradients(DTYPE_BYTES[compute_dtype], moe), rules)
     rebuilt = per_micro_batch(rebuilt + gradients)
     if policy and copies:
         rebuilt += split_by(kept(compute_dtype).weights, rules, weights=True)
@@ -267,6 +248,9 @@ def _derive(rules: Rules, compute_dtype: str, remat: bool | str, moe: int, sched
         if "layers" in a.names
     )
     activations, weights, rebuilt = _kept(rules, arrays, compute_dtype, policy, moe)
+    if moe > DROPLESS:
+        held, working = _gathered_experts(arrays, rules, DTYPE_BYTES[compute_dtype], policy)
+        weights, rebuilt = weights + held, rebuilt + working
     head = per_micro_batch(split_by(Formula.product(["batch", "seq", "vocab"], LOGIT_BYTES), rules))
     passes = Formula.of("micro") * (2 if policy else 1)
     transfers = weight_transfers(arrays, rules, passes, Formula.of("micro"), width)
@@ -275,7 +259,7 @@ def _derive(rules: Rules, compute_dtype: str, remat: bool | str, moe: int, sched
     )
     accumulator = gradients
     flops = _device_flops(rules, arrays, policy, moe)
-    extra = _extra(rules, moe=bool(moe), policy=policy)
+    extra = _extra(rules, moe=moe, policy=policy)
     return Costs(
         rules,
         state,
@@ -295,6 +279,25 @@ def _derive(rules: Rules, compute_dtype: str, remat: bool | str, moe: int, sched
     )
 
 
+def _gathered_experts(
+    arrays: list[PlacedArray], rules: Rules, width: float, policy: str | None
+) -> tuple[Formula, Formula]:
+    """A dropless mixture's experts where the tokens' axes split them (FSDP): its blocks read
+    them whole (`nnxscale.dropless`), so each layer keeps its gathered copy for the backward
+    pass (unless full remat rebuilds it), and the layer at work holds that copy and its
+    gradient whole twice (measured on the compiled steps: about three layers' worth)."""
+    tokens = set(rules.token_axes(rules.axes))
+    split = [
+        a.elements
+        for a in arrays
+        if "experts" in a.names and len(a.names) > 3
+        and tokens & {x for axes in a.axes["params"] for x in axes}
+    ]  # fmt: skip
+    whole = _total(split)
+    kept_copies = Formula() if policy == "full" else whole * width
+    return kept_copies, whole / "layers" * (width + 2 * STATE_BYTES)
+
+
 def _passes(policy: str | None, moe: int) -> int:
     """How often a layer's activations move in a step: forward and backward, and forward
     again when remat rebuilds them (with `dots`, only a mixture's slots are rebuilt)."""
@@ -302,12 +305,12 @@ def _passes(policy: str | None, moe: int) -> int:
 
 
 def _extra(
-    rules: Rules, pipeline: bool = False, moe: bool = False, policy: str | None = None
+    rules: Rules, pipeline: bool = False, moe: int = 0, policy: str | None = None
 ) -> dict[str, object]:
     """The batch's and the ring's axes, and the forward pass's and attention's FLOPs per
     device (a pipeline's backward runs its stage's forward again)."""
     ring = context_axis(rules)
-    forward = sum((p.forward for p in products(moe)), Formula())
+    forward = sum((p.forward for p in products(bool(moe), moe > DROPLESS)), Formula())
     return {
         "batch_axes": tuple(a for a in rules.token_axes(rules.axes) if a != ring),
         "ring_axis": ring,
@@ -442,7 +445,7 @@ def _one_f_one_b(
     weights = (whole if tokens else Formula()) + copies
     flops = _device_flops(rules, arrays, policy, moe)
     parts = (activations, weights, rebuilt, head, transfers, flops)
-    extra = _extra(rules, moe=bool(moe), policy=policy)
+    extra = _extra(rules, moe=moe, policy=policy)
     return _stage_costs(common, *parts, **extra, schedule="1F1B")
 
 
@@ -457,7 +460,7 @@ def _device_flops(rules: Rules, arrays: list[PlacedArray], policy: str | None, m
     (`ROUTING`) is computed whole on every device of a tensor axis, unless sequence
     parallelism splits the stream it routes over that axis."""
     ring = context_axis(rules)
-    flops = product_flops(policy, bool(moe))
+    flops = product_flops(policy, bool(moe), dropless=moe > DROPLESS)
     if ring is not None:
         flops += _ring_flops(policy, ring) - _ring_flops(policy, None)
     if not moe:

@@ -17,8 +17,10 @@ import math
 from collections.abc import Iterable, Iterator
 
 from nnxscale.core.show import Markdown, table
+from nnxscale.costs.activations import mixture
 from nnxscale.costs.counts import Precision, Setup, mixture_problem
-from nnxscale.costs.derive import derive, unpriced, unsuitable
+from nnxscale.costs.coverage import unpriced
+from nnxscale.costs.derive import derive, unsuitable
 from nnxscale.costs.hardware import Hardware, hardware
 from nnxscale.costs.steps import StepCost, step_cost
 from nnxscale.model.transformer import Config
@@ -70,12 +72,13 @@ EXPERT_PLANNED = ("EP", "FSDP+EP", "PP+FSDP+EP")
 
 def planned(cfg: Config) -> tuple[str, ...]:
     """The rule sets the planner considers for `cfg`: `PLANNED`, and for a mixture of experts
-    those of them the cost model prices for one (no tensor or context axes; pipelines on
-    1F1B and zero-bubble schedules: a plan that names another rule set says why) and
-    `EXPERT_PLANNED`."""
+    those of them the cost model prices for one (no context axes, nor tensor axes for a
+    dropless one; pipelines on 1F1B and zero-bubble schedules: a plan that names another
+    rule set says why) and `EXPERT_PLANNED` (which a dropless mixture's plan lists as
+    rejected, with the reason)."""
     if not cfg.experts:
         return PLANNED
-    priced = (n for n in PLANNED if not unpriced(STRATEGIES[n], 1, "1F1B"))
+    priced = (n for n in PLANNED if not unpriced(STRATEGIES[n], mixture(cfg), "1F1B"))
     return (*priced, *EXPERT_PLANNED)
 
 

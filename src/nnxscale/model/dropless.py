@@ -53,7 +53,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import NamedSharding, PartitionSpec
 
 from nnxscale.model.moe import MoEError, check_experts, largest
-from nnxscale.placement.layout import activation_axis, activation_spec
+from nnxscale.placement.layout import activation_axis, activation_spec, constrain
 from nnxscale.placement.mesh import constrain_to
 
 
@@ -470,6 +470,9 @@ class Dropless(nnx.Module):
         if activation_axis("experts") is not None:
             y, routed = expert_parallel(x, weights, **options)
         else:
+            # whole on every device (FSDP's gather, once a layer): a block's slice of a split
+            # weight, taken at each group's own expert, would move the rows to the weights
+            weights = (weights[0], *(constrain(w, (None,) * w.ndim) for w in weights[1:]))
             y, routed = jax.vmap(lambda group: dropless(group, *weights, **options))(x)
             routed = with_loads(routed, options["bias"])
         if self.shared is not None:
