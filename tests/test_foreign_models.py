@@ -309,6 +309,7 @@ def test_every_strategy_of_the_table_builds_its_mesh() -> None:
         "PP+FSDP+CP+TP",
         "EP",
         "FSDP+EP",
+        "PP+FSDP+EP",
     }
     assert set(nx.RULE_SETS) == {"DP", "FSDP", "TP", "FSDP+TP"}
     shapes = {name: dict(nx.strategy_mesh(r).shape) for name, r in nx.rules.STRATEGIES.items()}
@@ -317,6 +318,7 @@ def test_every_strategy_of_the_table_builds_its_mesh() -> None:
     assert shapes["HSDP"] == {"replica": 2, "data": 4} and shapes["ZeRO-1"] == shapes["FSDP"]
     assert shapes["CP"] == {"data": 1, "context": 8} and shapes["TP+SP"] == shapes["TP"]
     assert shapes["FSDP+CP"] == {"data": 4, "context": 2}
+    assert shapes["PP+FSDP+EP"] == {"stage": 2, "fsdp": 2, "expert": 2}
     assert shapes["HSDP+TP"] == {"replica": 2, "data": 2, "model": 2}
     assert shapes["FSDP+CP+TP"] == {"data": 2, "context": 2, "model": 2}
     assert shapes["EP"] == {"data": 1, "expert": 8}
