@@ -89,9 +89,8 @@ def test_strict_rules_refuse_an_indivisible_dimension() -> None:
 
 def test_unknown_logical_axis_names_the_array_and_the_fix() -> None:
     rules = Rules("partial", {"embed": ("data",)})
-    with pytest.raises(
-        RuleError, match=r"blocks/0/attention/key: logical axis 'kv_heads' .*'kv_heads': \(\)"
-    ):
+    first = r"'kv_heads' \(first at blocks/0/attention/key\)"
+    with pytest.raises(RuleError, match=rf"no rule for the logical axes {first}.*'kv_heads': \(\)"):
         resolve(params(), rules, mesh_for((8, 1)))
 
 

@@ -7,11 +7,7 @@ from collections.abc import Iterable
 
 from jax.sharding import Mesh
 
-from nnxscale.placement.rules import MeshAxes, RuleError, Rules, as_tuple
-
-BATCH_AXES = ("data", "fsdp", "batch", "replica", "dp")
-"""Mesh axis names that `mesh_axis_rules` takes for the batch's when it is not given, first
-found first."""
+from nnxscale.placement.rules import BATCH_AXES, MeshAxes, RuleError, Rules, as_tuple
 
 
 def mesh_axis_rules(

@@ -75,7 +75,8 @@ def run_under(
 def traced(fn: Callable[..., Any], mesh: Mesh, layout: Layout | None = None) -> Callable[..., Any]:
     """`fn`, whose errors from a model written for the other kind of mesh axes are raised as
     `AxisTypeError`s that name the fix (`nnxscale.mesh.axis_type_error`), and whose errors
-    from a split the mesh cannot make name the arrays the rules kept whole for that reason.
+    from a split the mesh cannot make name the arrays the rules kept whole for that reason:
+    those whose logical names asked for a split no candidate divides, not unnamed ones.
     Tracing comes before the train state is handed to the step, so nothing is lost."""
 
     def call(*args: Any) -> Any:
@@ -83,7 +84,8 @@ def traced(fn: Callable[..., Any], mesh: Mesh, layout: Layout | None = None) -> 
             return fn(*args)
         except Exception as error:
             better = axis_type_error(error, mesh)
-            short = [p for p in layout.unsplit() if p.fallback] if layout is not None else []
+            unsplit = layout.unsplit() if layout is not None else []
+            short = [p for p in unsplit if p.fallback and p.logical is not None]
             if better is None and short and "evenly divide" in str(error):
                 listed = "; ".join(f"{p.path} {p.shape}: {p.reason}" for p in short[:4])
                 better = ValueError(

@@ -76,13 +76,12 @@ def _place_logical(
         )
     chosen: list[tuple[str, ...] | None] = []
     notes: list[str] = []
-    used: set[str] = set()
-    short = False  # a dimension the rules asked to split stayed whole
+    used, short = set[str](), False  # short: a dimension asked to split, no candidate divides
     for size, name in zip(shape, logical, strict=True):
         if name is None:
             chosen.append(None)
             continue
-        pick, skipped = None, []
+        pick, skipped, indivisible = None, [], False
         for axes in rules.candidates(name, path, flax):
             if not set(axes) <= set(mesh.axis_names):
                 whose = "Flax's logical rules (nnx.logical_axis_rules or the variable's "
@@ -96,6 +95,7 @@ def _place_logical(
                 skipped.append(f"{'+'.join(axes)} already splits another dimension")
             elif size % _axes_size(mesh, axes):
                 skipped.append(f"{'+'.join(axes)} ({_axes_size(mesh, axes)}) does not divide it")
+                indivisible = True
             else:
                 pick = axes
                 break
@@ -105,7 +105,7 @@ def _place_logical(
                 f"rule set {rules.name!r} is strict. Make {name} a multiple of the axis size, "
                 f"add a fallback for {name!r}, or use strict=False to replicate it."
             )
-        short |= bool(skipped) and pick is None
+        short |= indivisible and pick is None
         if skipped:
             outcome = f"{'+'.join(pick)}" if pick else "replicated"
             notes.append(f"{name}={size}: {'; '.join(skipped)}, so {outcome}")
@@ -340,8 +340,9 @@ def resolve(
     active while this runs: enter it again around a restore) are tried before `rules`'.
     Arrays whose role (`role`, else `nnxscale.rules.role_of(path)`) is in `rules.whole` stay
     whole.
-    Arrays of at least `warn_bytes` that the rules could not split raise a
-    `ReplicationWarning` naming them (`Layout.replicated()` lists every whole array).
+    A `ReplicationWarning` names every array whose logical names asked for a split the mesh
+    cannot make, and unnamed arrays of at least `warn_bytes` held whole (`Layout.unsplit()`
+    lists them all, with reasons; an infinite `warn_bytes` warns of nothing).
     """
     axis_kind(mesh)
     missing = sorted(rules.mesh_axes() - set(mesh.axis_names))
@@ -354,11 +355,11 @@ def resolve(
     treedef = jax.tree.structure(tree, is_leaf=lambda x: isinstance(x, nnx.Variable))
     placements, specs, gradient_specs = [], [], {}
     apart = role is None and ("params" in rules.whole) != ("grads" in rules.whole)
-    for path, leaf in flat(tree):
+    leaves = [(p, x, _logical_names(x, p, rules), flax_rules_of(x)) for p, x in flat(tree)]
+    rules.check_known({p: [n for n in names or () if n not in f] for p, _, names, f in leaves})
+    for path, leaf, logical, flax in leaves:
         shape = tuple(int(d) for d in np.shape(leaf))
         dtype = leaf.dtype  # a NumPy dtype, or a JAX key type (which has an itemsize too)
-        logical = _logical_names(leaf, path, rules)
-        flax = flax_rules_of(leaf)
         where = role or role_of(path)
         chosen, reason, fallback = _place(path, shape, logical, rules, mesh, where, flax)
         spec = PartitionSpec(*(_spec_entry(axes) for axes in chosen))
@@ -383,29 +384,39 @@ def resolve(
         )
         specs.append(leaf.replace(spec) if isinstance(leaf, nnx.Variable) else spec)
     layout = Layout(rules, mesh, placements, treedef.unflatten(specs), gradient_specs)
-    _warn_if_whole([p for p in placements if p.fallback and p.pieces == 1], layout, warn_bytes)
+    _warn_if_whole(sorted(placements, key=lambda p: -p.total_bytes), layout, warn_bytes)
     return layout
 
 
-def _warn_if_whole(whole: list[Placement], layout: Layout, warn_bytes: int) -> None:
-    big = sorted((p for p in whole if p.total_bytes >= warn_bytes), key=lambda p: -p.total_bytes)
-    arrays = [p for p in layout.placements if p.shape and p.total_bytes > 0]
-    if whole and len(whole) == len(arrays) and warn_bytes < math.inf:
-        big = sorted(whole, key=lambda p: -p.total_bytes)  # the rules split nothing at all
-    if not big:
+def _warn_if_whole(placements: list[Placement], layout: Layout, warn_bytes: int) -> None:
+    """Warn of what the rules meant to split and could not: every array whose names asked for
+    a split the mesh cannot make, whatever its size, and unnamed arrays held whole from
+    `warn_bytes` (all of them when the rules split nothing); nothing when it is infinite."""
+    if warn_bytes == math.inf:
         return
-    listed = ", ".join(f"{p.path} {p.shape} ({p.reason})" for p in big[:3])
-    more = f" and {len(big) - 3} more" if len(big) > 3 else ""
-    held = sum(p.total_bytes for p in big)
-    warnings.warn(
-        ReplicationWarning(
-            f"rule set {layout.rules.name!r} on mesh {dict(layout.mesh.shape)} leaves "
-            f"{len(big)} arrays of {held:,} bytes whole on every device: {listed}{more}. "
-            "Use a mesh whose axes divide their dimensions, add rules or annotations for "
-            "them, or auto_fsdp(...); Layout.replicated() lists every whole array."
-        ),
-        stacklevel=3,
-    )
+    named = [p for p in placements if p.fallback and p.logical is not None]
+    whole = [p for p in placements if p.fallback and p.logical is None and p.pieces == 1]
+    if named or len(whole) < sum(bool(p.shape) and p.total_bytes > 0 for p in placements):
+        whole = [p for p in whole if p.total_bytes >= warn_bytes]
+    found = []
+    for what, listed in (
+        ("cannot split {} arrays as their names ask", named),
+        ("leaves {} arrays of {:,} bytes whole on every device", whole),
+    ):
+        shown = ", ".join(f"{p.path} {p.shape} ({p.reason})" for p in listed[:3])
+        more = f" and {len(listed) - 3} more" if len(listed) > 3 else ""
+        held = sum(p.total_bytes for p in listed)
+        found += [f"{what.format(len(listed), held)}: {shown}{more}"] if listed else []
+    if found:
+        warnings.warn(
+            ReplicationWarning(
+                f"rule set {layout.rules.name!r} on mesh {dict(layout.mesh.shape)} "
+                f"{'; it '.join(found)}. Use a mesh whose axes divide those dimensions, add "
+                "rules or annotations for them, or auto_fsdp(...); Layout.unsplit() lists "
+                "each array split less than meant, with its reason."
+            ),
+            stacklevel=3,
+        )
 
 
 _ACTIVE: contextvars.ContextVar[tuple[Rules, Mesh] | None] = contextvars.ContextVar(

@@ -23,6 +23,11 @@ type MeshAxes = str | tuple[str, ...]
 """One candidate: a mesh axis, or several mesh axes used together for one dimension."""
 
 
+BATCH_AXES = ("data", "fsdp", "batch", "replica", "dp")
+"""Mesh axis names that `mesh_axis_rules` takes for the batch's when it is not given, first
+found first."""
+
+
 class RuleError(ValueError):
     """A rule set that cannot be applied as written; the message names the array and the fix."""
 
@@ -154,6 +159,39 @@ class Rules:
                 f"'(^|/){path.rsplit('/', 1)[-1]}$' or the whole path '^{path}$')."
             )
         return next(iter(best))
+
+    def check_known(self, names: Mapping[str, Iterable[str | None]]) -> None:
+        """Refuse, before anything is placed, the logical names (path -> names, less those
+        Flax's rules map) this rule set has no rule for: all of them at once, with the fix.
+        Names of another mesh's axes, under rules for this mesh's (`mesh_axis_rules`), get
+        that mesh's rules, or the map from its names to this mesh's axes."""
+        unknown: dict[str, str] = {}
+        for path, listed in names.items():
+            for name in listed:
+                if name and name not in self.logical:
+                    unknown.setdefault(name, path)
+        if not unknown or self.annotations == "ignore":
+            return
+        own = tuple(sorted(unknown, key=lambda n: n not in BATCH_AXES))  # the batch's first
+        found = ", ".join(f"{n!r} (first at {unknown[n]})" for n in own)
+        if self.axes and all(self.logical.get(a) in ((a,), ((a,),)) for a in self.axes):
+            pairs = list(zip(own, self.axes * len(own), strict=False))
+            raise RuleError(
+                f"the model's annotations name mesh axes {found} that the mesh of rule set "
+                f"{self.name!r} lacks (its axes are {self.axes}): the model was written for "
+                f"a mesh whose axes are named {own}. Make that mesh and its rules, "
+                f"nx.make_mesh(shape, {own}) and nx.mesh_axis_rules({own}), or map the "
+                f"model's names onto this mesh: nx.annotations.flax_rules({pairs}, "
+                f"axes={self.axes})."
+            )
+        known = ", ".join(sorted(self.logical)) or "no names"
+        raise RuleError(
+            f"rule set {self.name!r} has no rule for the logical axes {found} (it has rules "
+            f"for {known}). Add them, e.g. {own[0]!r}: ('data',) to shard or {own[0]!r}: () "
+            "to replicate; for a model annotated with mesh axis names use "
+            "mesh_axis_rules(...), or annotations='ignore' to place it by the automatic axis "
+            "alone."
+        )
 
     def mesh_axes(self) -> set[str]:
         """Every mesh axis the rule set refers to."""
