@@ -18,6 +18,8 @@ from nnxscale.runtime.launch import LaunchError, how_it_ended, launch, run, star
 
 WORKER = [*PROGRAM, "collective"]
 SLEEPER = [sys.executable, "-c", "import os, time; print(os.getpid(), flush=True); time.sleep(60)"]
+DEAF = [sys.executable, "-c", "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+        "print('deaf', flush=True); time.sleep(60)"]  # fmt: skip
 
 
 def gone(pid: int) -> bool:
@@ -76,6 +78,21 @@ def test_a_stop_request_stops_every_worker() -> None:
     threading.Timer(1.0, stop.set).start()
     with pytest.raises(LaunchError, match="asked to stop"):
         run.wait(timeout=60)
+    assert all(gone(worker.pid) for worker in run.workers)
+
+
+def test_workers_deaf_to_a_stop_request_are_killed_after_its_grace() -> None:
+    # A stop request sends SIGTERM, so that workers may save first (`nnxscale.preemption`);
+    # those that do not end within the grace are killed all the same.
+    stop = threading.Event()
+    run = start(DEAF, 2, 1, echo=None, stop=stop)
+    deadline = time.monotonic() + 60
+    while len(run.output) < 2:  # both ignore SIGTERM from here on
+        assert time.monotonic() < deadline, run.output
+        time.sleep(0.05)
+    stop.set()
+    with pytest.raises(LaunchError, match=r"asked to stop: its workers did not end within 1 s"):
+        run.wait(timeout=60, stop_grace=1)
     assert all(gone(worker.pid) for worker in run.workers)
 
 

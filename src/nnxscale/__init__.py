@@ -55,7 +55,7 @@ from nnxscale.placement.rules import (
     strategy_mesh,
 )
 from nnxscale.profiling import machine, overlap, profiles
-from nnxscale.runtime import devices, events, launch
+from nnxscale.runtime import devices, events, launch, preemption
 from nnxscale.runtime.devices import emulate_devices
 from nnxscale.train import agree, data
 from nnxscale.train.agree import agreement
@@ -112,7 +112,7 @@ MODULES = (
     activations, agree, annotations, calculator, checkpoint, cli, comm, compiling, configs,
     context, costs, data, devices, dropless, environment, events, figures, formula, fsdp, growth,
     hlo, init, integrity, launch, layout, losses, machine, memory, mesh, model, moe, multi,
-    naming, overlap, params, pipeline, planner, profiles, program, rounds, rules, schedules,
-    show, train, trees,
+    naming, overlap, params, pipeline, planner, preemption, profiles, program, rounds, rules,
+    schedules, show, train, trees,
 )  # fmt: skip
 """The modules, each reached as `nx.<module>`: the rest of the library, spelled with its home."""

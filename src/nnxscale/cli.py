@@ -12,7 +12,8 @@ What a command reports, it prints as typed events (`nnxscale.events`), one JSON 
 
 - train: `Start`, `Resumed` when DIR held a checkpoint, `Step` for every step, `Checksums`
   (from every process, computed where the shards live) as a save begins, `Saving` once it
-  writes in the background, and `Written` when every save is on disk.
+  writes in the background, `Preempted` when SIGTERM stopped it (it saves the step every
+  process agreed on first: `nnxscale.preemption`), and `Written` when every save is on disk.
 - restore: `Restored`.
 - collective: `Hello`.
 """
@@ -44,6 +45,7 @@ from nnxscale.placement.rules import RULE_SETS, strategy_mesh
 from nnxscale.runtime import events, launch
 from nnxscale.runtime.devices import emulate_devices
 from nnxscale.runtime.launch import COORDINATOR, initialize
+from nnxscale.runtime.preemption import Preemption
 from nnxscale.train.data import book_batches
 from nnxscale.train.state import TrainOptions, adamw
 from nnxscale.train.trainer import Trainer
@@ -62,7 +64,7 @@ def _train(args: argparse.Namespace) -> None:
     cfg = TINY.replace(**json.loads(args.config))
     mesh = strategy_mesh(rules)
     batches = book_batches(args.batch_size)
-    with Checkpoints(args.directory, keep=args.keep) as checkpoints:
+    with Checkpoints(args.directory, keep=args.keep) as checkpoints, Preemption() as preemption:
         if checkpoints.steps():
             trainer = checkpoints.restore(
                 Transformer.from_config, adamw(), rules, mesh, data=batches
@@ -87,12 +89,16 @@ def _train(args: argparse.Namespace) -> None:
             (loss,) = trainer.train(batches, 1)
             step = trainer.step_count()
             tell(events.Step, step=step - 1, loss=float(loss))  # JSON keeps every bit of a float
-            if step % args.save_every == 0 or step == args.steps:
+            stop = preemption.reached(step)  # every process, every step: the same answer
+            if stop or step % args.save_every == 0 or step == args.steps:
                 tell(events.Checksums, step=step, sums=checksums(trainer.state))
                 tell(events.Saving, step=step, blocked_seconds=checkpoints.save(trainer, batches))
                 if step == args.crash_during_save:  # a crash while the save is being written
                     _await_writing(Path(args.directory), step)
                     os.kill(os.getpid(), signal.SIGKILL)
+            if stop:
+                tell(events.Preempted, step=step)
+                break
         tell(events.Written, waited_seconds=checkpoints.wait())
 
 

@@ -88,6 +88,15 @@ class Saving(Event):
 
 
 @dataclasses.dataclass(frozen=True)
+class Preempted(Event):
+    """Asked to stop (SIGTERM), the run saved `step`, the step every process agreed on
+    (`nnxscale.preemption`), and stops there."""
+
+    kind: ClassVar[str] = "preempted"
+    step: int
+
+
+@dataclasses.dataclass(frozen=True)
 class Written(Event):
     """Every save is on disk, after `waited_seconds` of waiting at the end."""
 
@@ -134,7 +143,18 @@ class Leaving(Event):
 
 KINDS: dict[str, type[Event]] = {
     cls.kind: cls
-    for cls in (Start, Resumed, Step, Checksums, Saving, Written, Restored, Hello, Leaving)
+    for cls in (
+        Start,
+        Resumed,
+        Step,
+        Checksums,
+        Saving,
+        Preempted,
+        Written,
+        Restored,
+        Hello,
+        Leaving,
+    )
 }
 """Every kind of event, by the name its JSON line carries."""
 

@@ -146,17 +146,22 @@ class Run:
         """The output as one string."""
         return "\n".join(self.output)
 
-    def wait(self, timeout: float, *, check: bool = True, grace: float = GRACE) -> list[str]:
+    def wait(
+        self, timeout: float, *, check: bool = True, grace: float = GRACE, stop_grace: float = 60
+    ) -> list[str]:
         """Wait for every worker and return the output. With `check`, the first worker that
         fails (non-zero exit, killed), or that ends or leaves the run while others go on
         running for `grace` seconds (they would wait for it forever), stops the run; so does
         the timeout. Then every worker is killed and LaunchError names it, with the last lines.
+        A stop request (`stop_requested`: the command line's SIGTERM) sends each worker SIGTERM,
+        as a scheduler does: workers that save and exit well within `stop_grace` seconds
+        (`nnxscale.preemption`) end the run well; any other end stops it, as above.
         """
         if not timeout > 0:
             raise ValueError(f"timeout={timeout!r}: give the run a number of seconds above 0")
         deadline = time.monotonic() + timeout
         ended: dict[int, float] = {}
-        failure = None
+        failure, asked = None, None
         try:
             while failure is None:
                 codes = self.returncodes  # poll every worker, every time
@@ -169,8 +174,14 @@ class Run:
                 failure = self._failure(codes, ended, now, grace) if check else None
                 if failure is None and now > deadline:
                     failure = f"the run exceeded its timeout of {timeout:g} s"
-                if failure is None and self.stop_requested.wait(0.05):
-                    failure = "the run was asked to stop"
+                if asked is None and self.stop_requested.is_set():
+                    asked = now
+                    self._signal(signal.SIGTERM)
+                if failure is None and asked is not None and now - asked > stop_grace:
+                    failure = f"its workers did not end within {stop_grace:g} s of SIGTERM"
+                if asked is not None and failure is not None:
+                    failure = f"the run was asked to stop: {failure}"
+                time.sleep(0.05)
         finally:
             self.stop()
         if failure:
@@ -199,12 +210,16 @@ class Run:
                 )
         return None
 
+    def _signal(self, number: signal.Signals) -> None:
+        """Send `number` to every worker and every process it started (its process group)."""
+        for worker in self.workers:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(worker.pid, number)  # the group outlives its first process
+
     def stop(self) -> None:
         """Kill every worker and every process it started (its process group), reap them all
         and finish reading their output."""
-        for worker in self.workers:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(worker.pid, signal.SIGKILL)  # the group outlives its first process
+        self._signal(signal.SIGKILL)
         for worker in self.workers:
             worker.wait()
         for reader in self._readers:
@@ -369,7 +384,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         parser.error("no command to run; put it after --")
     if args.die_with is not None:  # a worker's wrapper, started by `guarded`
         exec_dying_with(args.die_with, command)
-    # Stopped with SIGTERM (as by a scheduler): `wait` stops the workers, then exit 128 + 15.
+    # Stopped with SIGTERM (as by a scheduler): `wait` passes it on to the workers, which may
+    # save and exit (`nnxscale.preemption`); then exit 128 + 15 either way.
     terminated = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: terminated.set())
     try:
@@ -384,6 +400,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     except LaunchError as error:
         print(f"launch failed: {error}", file=sys.stderr)
         sys.exit(128 + signal.SIGTERM if terminated.is_set() else 1)
+    if terminated.is_set():  # the workers saved and stopped: the run did not finish
+        sys.exit(128 + signal.SIGTERM)
 
 
 if __name__ == "__main__":
