@@ -425,3 +425,14 @@ def test_a_restore_reads_every_chunk_a_shard_overlaps() -> None:
     )
     with pytest.raises(ValueError, match="holds no shard"):
         chunks_read((2,), held, device=5)
+
+
+@pytest.mark.parametrize("url", ["gs://bucket/run", "s3://bucket/run"])
+def test_an_object_storage_url_is_refused_before_anything_is_written(
+    url, tmp_path, monkeypatch
+) -> None:
+    monkeypatch.chdir(tmp_path)  # a URL taken for a local path would write a folder here
+    scheme = url.split("://")[0]
+    with pytest.raises(NoCheckpointError, match=rf"object storage \({scheme}://\).*Mount"):
+        Checkpoints(url)
+    assert list(tmp_path.iterdir()) == []

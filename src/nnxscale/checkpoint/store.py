@@ -117,6 +117,21 @@ def finish_at_program_end() -> bool:
     return True
 
 
+def _refuse_object_storage(directory: str | Path) -> None:
+    """Refuse a URL (`gs://`, `s3://`, any `scheme://`), which a local path would turn into a
+    folder named after its scheme, before anything is written: the writer lock is a local
+    `flock`, which holds nothing across hosts, and a finished save is found by its folder's
+    name, where Orbax writes a commit marker object on object storage instead."""
+    scheme, colon_slashes, _ = str(directory).partition("://")
+    if colon_slashes and scheme.isidentifier():
+        raise NoCheckpointError(
+            f"{directory} is on object storage ({scheme}://), which Checkpoints does not write: "
+            "its one-writer lock and its check of finished saves hold on a file system only. "
+            "Mount the bucket where every host reaches it (gcsfuse, a parallel file system) "
+            "and pass that path, or save with Orbax's CheckpointManager directly."
+        )
+
+
 class Checkpoints(Restorer):
     """A directory of train-state checkpoints, managed by Orbax: async saves, the last k kept,
     every step verified when read, one writer at a time."""
@@ -134,6 +149,7 @@ class Checkpoints(Restorer):
                 f"keep={keep!r}: a directory keeps its newest `keep` checkpoints and deletes "
                 "the others, so it must be a whole number of at least 1."
             )
+        _refuse_object_storage(directory)
         self.directory = Path(directory).absolute()
         if self.directory.exists() and not self.directory.is_dir():
             raise NoCheckpointError(
