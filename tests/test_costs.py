@@ -651,6 +651,7 @@ def test_hsdp_sends_only_a_shard_across_replicas() -> None:
     across = groups[("all-reduce", ("replica",))]
     inside = groups[("all-reduce", ("data",))]
     assert across * run.layout.mesh.shape["data"] == inside
+    assert report.across_processes(run.layout.mesh).collectives == []  # one process here
 
 
 @pytest.mark.slow

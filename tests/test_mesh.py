@@ -6,7 +6,7 @@ import jax
 import pytest
 from jax.sharding import AxisType
 
-from nnxscale.placement.mesh import grid_shape, make_mesh
+from nnxscale.placement.mesh import grid_shape, hybrid_mesh, make_mesh
 from nnxscale.placement.rules import DP, FSDP, FSDP_TP, TP, strategy_mesh
 
 
@@ -71,3 +71,14 @@ def test_strategy_mesh() -> None:
 def test_strategy_mesh_refuses_more_devices_than_there_are() -> None:
     with pytest.raises(ValueError, match=r"12 devices was asked for and JAX has 8.*=12"):
         strategy_mesh(FSDP, 12)
+
+
+def test_a_hybrid_mesh_puts_its_across_part_over_processes_and_refuses_what_does_not_fit() -> None:
+    local = jax.local_device_count()  # one process here: every axis lies inside it
+    mesh = hybrid_mesh((1, local), (1, 1), ("replica", "data"))
+    assert dict(mesh.shape) == {"replica": 1, "data": local}
+    assert list(mesh.devices.flat) == jax.devices()
+    with pytest.raises(ValueError, match=r"across \(2, 1\) to the 1 processes"):
+        hybrid_mesh((1, local), (2, 1), ("replica", "data"))
+    with pytest.raises(ValueError, match="one entry per mesh axis"):
+        hybrid_mesh((local,), (1, 1), ("replica", "data"))

@@ -3,14 +3,16 @@ process writes its devices' shards of the checkpoint."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
 
-from nnxscale import cli, events, launch
+from nnxscale import cli, costs, events, launch
 from nnxscale.checkpoint import Checkpoints
 from nnxscale.checkpoint.multi import bytes_written, planned
-from nnxscale.placement.rules import FSDP_TP
+from nnxscale.model import TINY
+from nnxscale.placement.rules import FSDP_TP, STRATEGIES
 
 
 def test_each_process_owns_a_run_of_devices_and_loads_their_rows() -> None:
@@ -63,3 +65,34 @@ def test_the_plan_is_what_the_workers_report_and_each_writes_its_shards(tmp_path
     whole = sum(sizes.values()) - split
     assert split and whole  # FSDP splits the weights; the step counters stay whole
     assert written == {0: split // 2 + whole, 1: split // 2}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("rules", ["HSDP", "HSDP+TP"])
+def test_on_a_mesh_across_processes_only_the_replica_axis_crosses_as_the_cost_model_says(
+    rules,
+) -> None:
+    """Two processes of 4 devices, `replica` across them and FSDP (and TP) inside each: the
+    compiled step's collectives that cross processes are exactly those over `replica`, the
+    ones the cost model puts on the slow links when a fast domain is one process's devices;
+    and every byte of the gradient crosses once, as the cost model prices it: a 1/d slice
+    over `replica`, except the small arrays the compiler reduces whole over both axes."""
+    output = launch.launch([*cli.PROGRAM, "crossing", "--rules", rules], 2, 4, timeout=240,
+                           echo=None)  # fmt: skip
+    reports = events.read(output, events.Crossing)
+    assert len(reports) == 2 and reports[0].moved == reports[1].moved
+    (report,) = reports[:1]
+    assert report.inside["replica"] == 1 and math.prod(report.inside.values()) == 4
+    moved = {(kind, tuple(axes)): (size, crosses) for kind, axes, size, crosses in report.moved}
+    assert all(crosses == ("replica" in axes) for (_, axes), (_, crosses) in moved.items())
+    strategy = STRATEGIES[rules]
+    derived = costs.derive(strategy)
+    sizes = costs.sizes_of(TINY, costs.Setup.of(strategy, report.mesh), 16, 32)
+    host = dataclasses.replace(costs.HARDWARE["H100"], domain=4)  # a process: a host
+    slow = {t.axes for t in derived.transfers if not costs.within(t.axes, report.mesh, host)}
+    assert slow == {("replica",)}
+    (priced,) = [t for t in derived.transfers if t.axes == ("replica",)]
+    d, loss = report.mesh["data"], 4
+    across = moved[("all-reduce", ("replica",))][0] * d
+    whole = moved[("all-reduce", ("replica", "data"))][0] - loss
+    assert across + whole == priced.array(sizes) * d

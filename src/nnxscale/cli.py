@@ -16,6 +16,7 @@ What a command reports, it prints as typed events (`nnxscale.events`), one JSON 
   process agreed on first: `nnxscale.preemption`), and `Written` when every save is on disk.
 - restore: `Restored`.
 - collective: `Hello`.
+- crossing: `Crossing`.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import signal
 import sys
@@ -36,12 +38,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
+from nnxscale.analysis.hlo import collectives
 from nnxscale.checkpoint.integrity import checksums
 from nnxscale.checkpoint.records import PARTIAL
 from nnxscale.checkpoint.store import Checkpoints
 from nnxscale.model.transformer import TINY, Transformer, create
-from nnxscale.placement.mesh import make_mesh
-from nnxscale.placement.rules import RULE_SETS, strategy_mesh
+from nnxscale.placement.mesh import hybrid_mesh, make_mesh
+from nnxscale.placement.rules import RULE_SETS, STRATEGIES, strategy_mesh
 from nnxscale.runtime import events, launch
 from nnxscale.runtime.devices import emulate_devices
 from nnxscale.runtime.launch import COORDINATOR, initialize
@@ -172,6 +175,32 @@ def _collective(args: argparse.Namespace) -> None:
     time.sleep(args.hold)
 
 
+def _crossing(args: argparse.Namespace) -> None:
+    """In a launched run: compile a train step of rule set `--rules` on a mesh whose first
+    axis lies across the processes and the others inside each (`hybrid_mesh`), and report
+    which collectives cross processes, with their bytes."""
+    rules = STRATEGIES[args.rules]
+    local = jax.local_device_count()
+    sizes = list(rules.sizes[1:])
+    sizes = [local // math.prod(s for s in sizes if s != -1) if s == -1 else s for s in sizes]
+    inside, across = (1, *sizes), (jax.process_count(), *[1] * len(sizes))
+    mesh = hybrid_mesh(inside, across, rules.axes)
+    trainer = Trainer.create(create(TINY), adamw(), rules, mesh)
+    report = collectives(trainer.compile(trainer.batch(book_batches(args.batch_size))))
+    report = report.without_flags()
+    crossing = {(c.kind, c.mesh_axes(mesh)) for c in report.across_processes(mesh).collectives}
+    moved = [
+        [kind, list(axes or ()), size, (kind, axes) in crossing]
+        for (kind, axes), size in report.by_axes(mesh).items()
+    ]
+    tell(
+        events.Crossing,
+        mesh=dict(mesh.shape),
+        inside=dict(zip(rules.axes, inside, strict=True)),
+        moved=moved,
+    )
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     """Parse the command line, emulate the devices asked for, and run the command."""
     parser = argparse.ArgumentParser(prog="python -m nnxscale", description=__doc__)
@@ -180,6 +209,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     restore = commands.add_parser("restore", help="restore the latest checkpoint and report")
     collective = commands.add_parser("collective", help="in a launched run: sum over devices")
     collective.add_argument("--hold", type=float, default=0.0, help="seconds to wait after")
+    crossing = commands.add_parser(
+        "crossing", help="in a launched run: which collectives of a step cross processes"
+    )
+    crossing.add_argument("--rules", default="HSDP", help="HSDP or HSDP+TP: replica across")
+    crossing.add_argument("--batch-size", type=int, default=16)
     for command in (train, restore):
         command.add_argument("directory")
         command.add_argument("--devices", default=None, help="emulated devices (default: 8)")
@@ -208,7 +242,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         initialize()
     else:
         emulate_devices(args.devices)
-    {"train": _train, "restore": _restore, "collective": _collective}[args.command](args)
+    programs = {"train": _train, "restore": _restore, "collective": _collective}
+    {**programs, "crossing": _crossing}[args.command](args)
 
 
 def run(*args: str, devices: int, timeout: float = 300) -> str:

@@ -249,6 +249,15 @@ class CollectiveReport:
             groups[key] = groups.get(key, 0) + c.executions * c.array_bytes
         return groups
 
+    def across_processes(self, mesh: Mesh) -> CollectiveReport:
+        """The collectives some group of which holds devices of more than one process: those
+        that cross the slow network between hosts."""
+        owner = [d.process_index for d in mesh.devices.flat]  # by position: partition ids
+        kept = [
+            c for c in self.collectives if any(len({owner[i] for i in g}) > 1 for g in c.groups)
+        ]
+        return CollectiveReport(kept, self.num_partitions)
+
     def flags(self) -> CollectiveReport:
         """The collectives that move booleans (`pred`) alone: the training step's guard, in
         which the devices agree whether every gradient is finite (a flag for each gradient

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
+from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 AXIS_TYPES = {
@@ -63,6 +64,34 @@ def make_mesh(
         )
     kind = AxisType.Explicit if explicit else AxisType.Auto
     return jax.make_mesh(shape, names, axis_types=(kind,) * len(shape), devices=pool)
+
+
+def hybrid_mesh(
+    inside: Sequence[int], across: Sequence[int], names: Sequence[str], *, explicit: bool = False
+) -> Mesh:
+    """A mesh across processes (hosts, or slices): each axis `inside` x `across` devices long,
+    the `inside` part within a process, over its fast links, and the `across` part over the
+    processes, on the slow network between them (JAX's `create_hybrid_device_mesh`, with a
+    process for a slice). Put the axes whose collectives are many and large inside (FSDP's
+    gathers, TP's all-reduces) and data parallelism's one reduction a step across."""
+    inside, across, names = tuple(inside), tuple(across), tuple(names)
+    if not len(inside) == len(across) == len(names):
+        raise ValueError(
+            f"inside {inside}, across {across} and names {names}: give each one entry per "
+            "mesh axis (1 where an axis lies wholly inside, or wholly across, processes)."
+        )
+    local, processes = jax.local_device_count(), jax.process_count()
+    if math.prod(inside) != local or math.prod(across) != processes:
+        raise ValueError(
+            f"inside {inside} must multiply to the {local} devices of each process and across "
+            f"{across} to the {processes} processes: e.g. inside (1, {local}) and across "
+            f"({processes}, 1) for data parallelism across processes and FSDP inside each."
+        )
+    grid = mesh_utils.create_hybrid_device_mesh(
+        inside, across, devices=jax.devices(), process_is_granule=True
+    )
+    kind = AxisType.Explicit if explicit else AxisType.Auto
+    return Mesh(grid, names, axis_types=(kind,) * len(names))
 
 
 def axis_kind(mesh: Mesh) -> str:

@@ -134,6 +134,20 @@ class Hello(Event):
 
 
 @dataclasses.dataclass(frozen=True)
+class Crossing(Event):
+    """A launched worker's compiled train step on a mesh across processes
+    (`nnxscale.mesh.hybrid_mesh`): the mesh, and for each kind of collective and the mesh
+    axes it runs over, the bytes of its arrays per step and whether its groups cross
+    processes."""
+
+    kind: ClassVar[str] = "crossing"
+    mesh: dict[str, int]
+    inside: dict[str, int]
+    moved: list[Any]
+    """[kind, axes, array bytes per step, crosses processes] for each (kind, axes)."""
+
+
+@dataclasses.dataclass(frozen=True)
 class Leaving(Event):
     """A worker of a distributed run reached the end of its program (`launch.initialize`
     prints it at exit): the launcher names one that leaves while the others still run."""
@@ -153,6 +167,7 @@ KINDS: dict[str, type[Event]] = {
         Written,
         Restored,
         Hello,
+        Crossing,
         Leaving,
     )
 }
