@@ -41,7 +41,10 @@ class Preemption:
         return self
 
     def __exit__(
-        self, kind: type[BaseException] | None, error: BaseException | None, trace: TracebackType
+        self,
+        kind: type[BaseException] | None,
+        error: BaseException | None,
+        trace: TracebackType | None,
     ) -> None:
         if self._previous is not None:
             signal.signal(signal.SIGTERM, self._previous)  # type: ignore[arg-type]
