@@ -29,7 +29,7 @@ def losses(output: list[str], process: int = 0) -> dict[int, float]:
     return {e.step: e.loss for e in events.read(output, events.Step, process=process)}
 
 
-def once_started(run: Run, processes: int, timeout: float = 120) -> None:
+def once_started(run: Run, processes: int, timeout: float = 240) -> None:
     """Return once every worker of `run` has reported its `Start` event."""
     deadline = time.monotonic() + timeout
     while len(events.read(list(run.output), events.Start)) < processes:

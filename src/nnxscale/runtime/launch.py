@@ -304,10 +304,10 @@ def start(
                     if isinstance(events.parse(line), events.Leaving):
                         run.left.setdefault(index, time.monotonic())
                     line = prefix + line.rstrip("\n")
-                    with run._lock:
+                    with run._lock:  # one echo at a time: print writes a line, then its end
                         run.output.append(line)
-                    if echo is not None:
-                        echo(line)
+                        if echo is not None:
+                            echo(line)
 
         reader = threading.Thread(target=read, daemon=True)
         reader.start()
