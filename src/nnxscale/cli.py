@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import math
 import os
 import signal
 import sys
@@ -180,10 +179,8 @@ def _crossing(args: argparse.Namespace) -> None:
     axis lies across the processes and the others inside each (`hybrid_mesh`), and report
     which collectives cross processes, with their bytes."""
     rules = STRATEGIES[args.rules]
-    local = jax.local_device_count()
-    sizes = list(rules.sizes[1:])
-    sizes = [local // math.prod(s for s in sizes if s != -1) if s == -1 else s for s in sizes]
-    inside, across = (1, *sizes), (jax.process_count(), *[1] * len(sizes))
+    inside = rules.replace(sizes=(1, *rules.sizes[1:])).mesh_shape(jax.local_device_count())
+    across = (jax.process_count(), *[1] * (len(inside) - 1))
     mesh = hybrid_mesh(inside, across, rules.axes)
     trainer = Trainer.create(create(TINY), adamw(), rules, mesh)
     report = collectives(trainer.compile(trainer.batch(book_batches(args.batch_size))))
