@@ -14,7 +14,7 @@ import pytest
 from nnxscale import events
 from nnxscale.cli import PROGRAM
 from nnxscale.runtime.events import Hello
-from nnxscale.runtime.launch import LaunchError, how_it_ended, launch, run, start
+from nnxscale.runtime.launch import PROCESS_ID, LaunchError, how_it_ended, launch, run, start
 
 WORKER = [*PROGRAM, "collective"]
 SLEEPER = [sys.executable, "-c", "import os, time; print(os.getpid(), flush=True); time.sleep(60)"]
@@ -68,6 +68,47 @@ def test_a_run_over_its_timeout_is_stopped() -> None:
     run = start([*WORKER, "--hold", "60"], 2, 2, echo=None)
     with pytest.raises(LaunchError, match="exceeded its timeout of 10 s"):
         run.wait(timeout=10)
+    assert all(gone(worker.pid) for worker in run.workers)
+
+
+def test_a_process_that_skips_a_collective_is_named_with_what_the_other_waits_in() -> None:
+    # Process 1 leaves without the sum that process 0 entered: 0 would wait forever.
+    with pytest.raises(LaunchError) as raised:
+        launch([*WORKER, "--skip", "1"], 2, 1, timeout=120, echo=None)
+    message = str(raised.value)
+    assert "process 1 (pid" in message and "left the run" in message
+    assert "before process(es) [0] did" in message
+    assert "process 0 waits in all-reduce over 'all'" in message
+
+
+@pytest.mark.parametrize("reports_after", [False, True])
+def test_a_worker_waits_in_the_collective_it_entered_until_it_reports_anything_else(
+    reports_after: bool,
+) -> None:
+    # Plain Python workers: process 1 leaves at once, process 0 enters and stays.
+    entering = events.Entering(process=0, collective="all-gather over 'data'").line()
+    after = events.Step(process=0, step=3, loss=1.0).line()
+    script = (
+        "import os, sys, time\n"
+        f"if os.environ['{PROCESS_ID}'] == '1': sys.exit(0)\n"
+        f"print({entering!r}, flush=True)\n"
+        + (f"print({after!r}, flush=True)\n" if reports_after else "")
+        + "time.sleep(60)\n"
+    )
+    with pytest.raises(LaunchError, match=r"process 1 \(pid \d+\) exited") as raised:
+        launch([sys.executable, "-c", script], 2, 1, timeout=60, echo=None)
+    named = "process 0 waits in all-gather over 'data'" in str(raised.value)
+    assert named is not reports_after
+
+
+@pytest.mark.slow
+def test_a_run_over_its_timeout_names_what_each_waiting_worker_waits_in() -> None:
+    # Process 1 stays, outside the sum: only the timeout ends the run.
+    run = start([*WORKER, "--skip", "1", "--hold", "60"], 2, 1, echo=None)
+    with pytest.raises(LaunchError, match="exceeded its timeout of 15 s") as raised:
+        run.wait(timeout=15)
+    assert "; process 0 waits in all-reduce over 'all'" in str(raised.value)
+    assert "process 1 waits" not in str(raised.value)
     assert all(gone(worker.pid) for worker in run.workers)
 
 

@@ -54,7 +54,7 @@ from nnxscale.placement.rules import (
     auto_fsdp,
     strategy_mesh,
 )
-from nnxscale.profiling import machine, overlap, profiles
+from nnxscale.profiling import diagnose, machine, overlap, profiles
 from nnxscale.runtime import devices, events, launch, preemption
 from nnxscale.runtime.devices import emulate_devices
 from nnxscale.train import agree, data
@@ -110,9 +110,9 @@ __all__ = [
 
 MODULES = (
     activations, agree, annotations, calculator, checkpoint, cli, comm, compiling, configs,
-    context, costs, data, devices, dropless, environment, events, figures, formula, fsdp, growth,
-    hlo, init, integrity, launch, layout, losses, machine, memory, mesh, model, moe, multi,
-    naming, overlap, params, pipeline, planner, preemption, profiles, program, rounds, rules,
-    schedules, show, train, trees,
+    context, costs, data, devices, diagnose, dropless, environment, events, figures, formula,
+    fsdp, growth, hlo, init, integrity, launch, layout, losses, machine, memory, mesh, model,
+    moe, multi, naming, overlap, params, pipeline, planner, preemption, profiles, program,
+    rounds, rules, schedules, show, train, trees,
 )  # fmt: skip
 """The modules, each reached as `nx.<module>`: the rest of the library, spelled with its home."""

@@ -15,7 +15,7 @@ What a command reports, it prints as typed events (`nnxscale.events`), one JSON 
   writes in the background, `Preempted` when SIGTERM stopped it (it saves the step every
   process agreed on first: `nnxscale.preemption`), and `Written` when every save is on disk.
 - restore: `Restored`.
-- collective: `Hello`.
+- collective: `Entering` before its sum, then `Hello`.
 - crossing: `Crossing`.
 """
 
@@ -158,12 +158,22 @@ def _restore(args: argparse.Namespace) -> None:
 
 
 def _collective(args: argparse.Namespace) -> None:
-    """In a launched run: sum one number per device over every process, report, then hold."""
+    """In a launched run: sum one number per device over every process, report, then hold.
+    Process `--skip` leaves without summing, as a program whose processes take different
+    branches does: the others wait for it in the sum, and the launcher names them and it."""
     mesh = make_mesh((jax.device_count(),), ("all",))
     ones = jax.make_array_from_process_local_data(
         NamedSharding(mesh, PartitionSpec("all")), np.ones(jax.local_device_count(), np.int32)
     )
-    total = int(jax.jit(jnp.sum, out_shardings=NamedSharding(mesh, PartitionSpec()))(ones))
+    summed = jax.jit(jnp.sum, out_shardings=NamedSharding(mesh, PartitionSpec()))
+    compiled = summed.lower(ones).compile()
+    if jax.process_index() == args.skip:
+        time.sleep(args.hold)
+        return
+    found = collectives(compiled).collectives
+    over = [f"{c.kind} over {', '.join(map(repr, c.mesh_axes(mesh) or ()))}" for c in found]
+    tell(events.Entering, collective="; ".join(over))
+    total = int(compiled(ones))
     tell(
         events.Hello,
         processes=jax.process_count(),
@@ -206,6 +216,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     restore = commands.add_parser("restore", help="restore the latest checkpoint and report")
     collective = commands.add_parser("collective", help="in a launched run: sum over devices")
     collective.add_argument("--hold", type=float, default=0.0, help="seconds to wait after")
+    collective.add_argument(
+        "--skip", type=int, default=None, metavar="PROCESS", help="this process does not sum"
+    )
     crossing = commands.add_parser(
         "crossing", help="in a launched run: which collectives of a step cross processes"
     )

@@ -5,7 +5,10 @@ from __future__ import annotations
 import inspect
 import math
 import os
+import textwrap
+import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
 
 BOOK_BUILD_ENV = "NNXSCALE_BOOK_BUILD"
 """Set (to 1) by the book's Sphinx extension, so kernels it starts know they feed the book."""
@@ -85,3 +88,33 @@ def glue(name: str, value: object) -> None:
     from myst_nb import glue as record
 
     record(name, value, display=False)
+
+
+def raised[E: BaseException](call: Callable[[], object], kind: type[E] | str, width: int = 96) -> E:
+    """Call `call`, which must raise `kind` (a class, or a class's name for errors a library
+    does not export, such as JAX's ShardingTypeError): print the error as a reader sees it
+    (its type and message, wrapped to `width`) and return it. Raise AssertionError if it
+    raises nothing; an error of another kind goes through unchanged."""
+    catch = kind if isinstance(kind, type) else Exception
+    try:
+        call()
+    except catch as error:
+        if not isinstance(kind, type) and kind not in {c.__name__ for c in type(error).__mro__}:
+            raise
+        print(textwrap.fill(f"{type(error).__name__}: {error}", width))
+        return error
+    name = kind if isinstance(kind, str) else kind.__name__
+    raise AssertionError(f"expected {name}, and nothing was raised")
+
+
+def warned[W: Warning](call: Callable[[], Any], kind: type[W], width: int = 96) -> tuple[Any, W]:
+    """Call `call`, which must warn `kind`: print the first such warning as a reader sees it
+    and return what `call` returned, with it. Raise AssertionError if it does not warn."""
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        result = call()
+    found = [w.message for w in seen if isinstance(w.message, kind)]
+    if not found:
+        raise AssertionError(f"expected a {kind.__name__}, and none was given")
+    print(textwrap.fill(f"{kind.__name__}: {found[0]}", width))
+    return result, found[0]

@@ -2,6 +2,7 @@
 
 from nnxscale.figures.checkpoints import plot_restore, plot_saves
 from nnxscale.figures.drawing import SUM, matrix_view
+from nnxscale.figures.failures import plot_failures
 from nnxscale.figures.layouts import (
     block_sources,
     plot_collectives,
@@ -38,6 +39,7 @@ __all__ = [
     "plot_collectives",
     "plot_data_parallel",
     "plot_dispatch",
+    "plot_failures",
     "plot_fsdp_timeline",
     "plot_init_memory",
     "plot_layouts",

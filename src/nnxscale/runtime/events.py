@@ -148,6 +148,16 @@ class Crossing(Event):
 
 
 @dataclasses.dataclass(frozen=True)
+class Entering(Event):
+    """A worker is about to run `collective` (its kind and the mesh axes it runs over, read
+    off the compiled program): should the run hang, the launcher names what each worker waits
+    in."""
+
+    kind: ClassVar[str] = "entering"
+    collective: str
+
+
+@dataclasses.dataclass(frozen=True)
 class Leaving(Event):
     """A worker of a distributed run reached the end of its program (`launch.initialize`
     prints it at exit): the launcher names one that leaves while the others still run."""
@@ -168,6 +178,7 @@ KINDS: dict[str, type[Event]] = {
         Restored,
         Hello,
         Crossing,
+        Entering,
         Leaving,
     )
 }

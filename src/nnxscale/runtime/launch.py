@@ -129,6 +129,9 @@ class Run:
     A flag and not an exception, which could land inside `subprocess`'s own locking."""
     left: dict[int, float] = dataclasses.field(default_factory=dict)
     """Worker -> when (`time.monotonic()`) it reported leaving the run (`events.Leaving`)."""
+    entering: dict[int, str] = dataclasses.field(default_factory=dict)
+    """Worker -> the collective it reported entering (`events.Entering`) and has not reported
+    anything since: what it waits in, should the run hang."""
     _readers: list[threading.Thread] = dataclasses.field(default_factory=list)
     _lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
 
@@ -173,7 +176,8 @@ class Run:
                     break
                 failure = self._failure(codes, ended, now, grace) if check else None
                 if failure is None and now > deadline:
-                    failure = f"the run exceeded its timeout of {timeout:g} s"
+                    running = [i for i, code in enumerate(codes) if code is None]
+                    failure = f"the run exceeded its timeout of {timeout:g} s{self._waits(running)}"
                 if asked is None and self.stop_requested.is_set():
                     asked = now
                     self._signal(signal.SIGTERM)
@@ -207,8 +211,15 @@ class Run:
                 return (
                     f"process {i} (pid {self.workers[i].pid}) {how} {now - since:.1f} s before "
                     f"process(es) {stuck} did, which would wait for it in the run forever"
+                    + self._waits(stuck)
                 )
         return None
+
+    def _waits(self, workers: list[int]) -> str:
+        """'; process 0 waits in <collective>' for each of `workers` that reported entering one."""
+        return "".join(
+            f"; process {i} waits in {self.entering[i]}" for i in workers if i in self.entering
+        )
 
     def _signal(self, number: signal.Signals) -> None:
         """Send `number` to every worker and every process it started (its process group)."""
@@ -301,8 +312,13 @@ def start(
 
             with stream:
                 for line in stream:
-                    if isinstance(events.parse(line), events.Leaving):
+                    event = events.parse(line)
+                    if isinstance(event, events.Leaving):
                         run.left.setdefault(index, time.monotonic())
+                    if isinstance(event, events.Entering):
+                        run.entering[index] = event.collective
+                    elif event is not None:
+                        run.entering.pop(index, None)
                     line = prefix + line.rstrip("\n")
                     with run._lock:  # one echo at a time: print writes a line, then its end
                         run.output.append(line)
