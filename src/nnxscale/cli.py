@@ -38,6 +38,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from nnxscale.analysis.hlo import collectives
+from nnxscale.checkpoint.buckets import Location, location
 from nnxscale.checkpoint.integrity import checksums
 from nnxscale.checkpoint.records import PARTIAL
 from nnxscale.checkpoint.store import Checkpoints
@@ -96,7 +97,7 @@ def _train(args: argparse.Namespace) -> None:
                 tell(events.Checksums, step=step, sums=checksums(trainer.state))
                 tell(events.Saving, step=step, blocked_seconds=checkpoints.save(trainer, batches))
                 if step == args.crash_during_save:  # a crash while the save is being written
-                    _await_writing(Path(args.directory), step)
+                    _await_writing(location(args.directory), step)
                     os.kill(os.getpid(), signal.SIGKILL)
             if stop:
                 tell(events.Preempted, step=step)
@@ -104,7 +105,7 @@ def _train(args: argparse.Namespace) -> None:
         tell(events.Written, waited_seconds=checkpoints.wait())
 
 
-def _await_writing(directory: Path, step: int, timeout: float = 60.0) -> None:
+def _await_writing(directory: Location, step: int, timeout: float = 60.0) -> None:
     """Return once the save of `step` has its unfinished directory on disk: Orbax makes it in
     its background thread, which a busy machine can leave unscheduled for a while after
     `save` returns; also once the save is complete, or after `timeout` seconds."""

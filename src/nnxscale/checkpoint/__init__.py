@@ -1,17 +1,19 @@
 """Checkpoints: Orbax saves restored onto any mesh, their records, integrity, many processes."""
 
+from nnxscale.checkpoint.errors import (
+    CheckpointError,
+    CheckpointMismatchError,
+    CorruptCheckpointError,
+    NoCheckpointError,
+    SaveError,
+    SkippedCheckpointWarning,
+)
 from nnxscale.checkpoint.integrity import checksums
 from nnxscale.checkpoint.records import (
     FALL_BACK,
     FILE_ROLES,
     PARTIAL,
-    CheckpointError,
-    CheckpointMismatchError,
-    CorruptCheckpointError,
-    NoCheckpointError,
     Record,
-    SaveError,
-    SkippedCheckpointWarning,
     array_index,
     check_data,
     check_matches,

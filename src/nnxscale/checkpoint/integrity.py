@@ -138,6 +138,9 @@ def directory_run(directory: Path) -> str | None:
 
 def claim_directory(directory: Path, run: str) -> None:
     """Record that `directory` holds the checkpoints of `run` (written atomically)."""
+    if not isinstance(directory, Path):  # object storage: no rename, and one write is atomic
+        (directory / RUN_FILE).write_text(json.dumps({"run": run}))
+        return
     temporary = directory / f".{RUN_FILE}.{os.getpid()}"
     temporary.write_text(json.dumps({"run": run}))
     temporary.replace(directory / RUN_FILE)
@@ -152,8 +155,8 @@ class WriterLock:
     releases it when the writer's process ends in any way (SIGKILL included), so a crashed
     writer never blocks the next run, and a live one is never overtaken."""
 
-    def __init__(self, directory: Path) -> None:
-        self.path = directory / LOCK_FILE
+    def __init__(self, directory: Path, name: str = LOCK_FILE) -> None:
+        self.path = directory / name
         self._file = open(self.path, "a+")  # noqa: SIM115 (held open while the lock is held)
         try:
             fcntl.flock(self._file, fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -17,6 +17,12 @@ import orbax.checkpoint as ocp
 import tensorstore as ts
 from flax import nnx
 
+from nnxscale.checkpoint.buckets import files_under, is_url, kvstore_url, partial_steps
+from nnxscale.checkpoint.errors import (
+    CheckpointMismatchError,
+    CorruptCheckpointError,
+    NoCheckpointError,
+)
 from nnxscale.checkpoint.integrity import (
     LOCK_FILE,
     RUN_FILE,
@@ -39,31 +45,6 @@ FALL_BACK = "restore() without a step falls back to the newest step that verifie
 
 PARTIAL = ".orbax-checkpoint-tmp"
 """Suffix of the directory Orbax writes a step into before renaming it: an unfinished save."""
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be restored as asked; the message names the problem and the fix."""
-
-
-class NoCheckpointError(CheckpointError, FileNotFoundError):
-    """No complete checkpoint where one was expected."""
-
-
-class CheckpointMismatchError(CheckpointError):
-    """A checkpoint whose arrays, or data, differ from what the restore asks for."""
-
-
-class CorruptCheckpointError(CheckpointError):
-    """A step whose files do not hold what its record says was saved: damaged, truncated,
-    copied in from another run, or written without checksums. `restore()` falls back past it."""
-
-
-class SaveError(CheckpointError):
-    """A save that did not happen; the message says why, and what was kept."""
-
-
-class SkippedCheckpointWarning(UserWarning):
-    """`restore()` passed over newer steps that did not verify, to restore an older one."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -331,8 +312,11 @@ class Stored:
         """Names of unfinished saves in the directory, such as one cut short by a crash.
 
         Restores ignore them. Opening the directory to save (`create=True`) lists them in
-        `discarded`, and Orbax deletes them before the next save begins.
+        `discarded`, and Orbax deletes them before the next save begins. On a file system they
+        have Orbax's temporary names; on GCS, their step's name without the commit marker.
         """
+        if is_url(self.directory):
+            return partial_steps(self.directory)
         return sorted(p.name for p in self.directory.glob(f"*{PARTIAL}"))
 
     def _step(self, step: int | None) -> int:
@@ -415,13 +399,10 @@ class Stored:
         each array's Zarr metadata; the rest of the `state/` files is the store's index.
         """
         root = self.directory / str(self._step(step)) / "state"
-        store = ts.KvStore.open({"driver": "ocdbt", "base": f"file://{root}/"}).result()
+        store = ts.KvStore.open({"driver": "ocdbt", "base": kvstore_url(root)}).result()
         return {key.decode(): len(store.read(key).result().value) for key in store.list().result()}
 
     def files(self, step: int | None = None) -> list[tuple[str, int, str]]:
         """(path in the step directory, bytes, what it holds) of every file of a checkpoint."""
-        root = self.directory / str(self._step(step))
-        found = [
-            (str(p.relative_to(root)), p.stat().st_size) for p in root.rglob("*") if p.is_file()
-        ]
+        found = files_under(self.directory / str(self._step(step)))
         return [(path, size, file_role(path)) for path, size in sorted(found)]

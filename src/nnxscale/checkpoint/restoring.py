@@ -15,16 +15,18 @@ import orbax.checkpoint as ocp
 from flax import nnx
 from jax.sharding import Mesh
 
+from nnxscale.checkpoint.errors import (
+    CheckpointMismatchError,
+    CorruptCheckpointError,
+    SkippedCheckpointWarning,
+)
 from nnxscale.checkpoint.integrity import (
     SCHEME,
     checksums,
 )
 from nnxscale.checkpoint.records import (
     FALL_BACK,
-    CheckpointMismatchError,
-    CorruptCheckpointError,
     Record,
-    SkippedCheckpointWarning,
     Stored,
     array_index,
     check_data,

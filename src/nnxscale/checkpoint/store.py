@@ -17,15 +17,25 @@ from typing import TypeVar
 import jax
 import orbax.checkpoint as ocp
 
+from nnxscale.checkpoint.buckets import (
+    Location,
+    MarkerLock,
+    check_bucket,
+    is_url,
+    location,
+)
+from nnxscale.checkpoint.errors import (
+    CheckpointError,
+    NoCheckpointError,
+    SaveError,
+)
 from nnxscale.checkpoint.integrity import (
+    LOCK_FILE,
     WriterLock,
     claim_directory,
     directory_run,
 )
 from nnxscale.checkpoint.records import (
-    CheckpointError,
-    NoCheckpointError,
-    SaveError,
     record_of,
     sealed,
 )
@@ -48,7 +58,7 @@ class SaveTimes:
 
 
 def orbax_manager(
-    directory: Path, keep: int, create: bool, written: Callable[[], None] | None
+    directory: Location, keep: int, create: bool, written: Callable[[], None] | None
 ) -> ocp.CheckpointManager:
     """Orbax's manager of a directory of steps, each a `state` and a `meta` (JSON) item, the
     last `keep` kept; saves asynchronous when `written` is given (called as each completes)."""
@@ -117,24 +127,9 @@ def finish_at_program_end() -> bool:
     return True
 
 
-def _refuse_object_storage(directory: str | Path) -> None:
-    """Refuse a URL (`gs://`, `s3://`, any `scheme://`), which a local path would turn into a
-    folder named after its scheme, before anything is written: the writer lock is a local
-    `flock`, which holds nothing across hosts, and a finished save is found by its folder's
-    name, where Orbax writes a commit marker object on object storage instead."""
-    scheme, colon_slashes, _ = str(directory).partition("://")
-    if colon_slashes and scheme.isidentifier():
-        raise NoCheckpointError(
-            f"{directory} is on object storage ({scheme}://), which Checkpoints does not write: "
-            "its one-writer lock and its check of finished saves hold on a file system only. "
-            "Mount the bucket where every host reaches it (gcsfuse, a parallel file system) "
-            "and pass that path, or save with Orbax's CheckpointManager directly."
-        )
-
-
 class Checkpoints(Restorer):
-    """A directory of train-state checkpoints, managed by Orbax: async saves, the last k kept,
-    every step verified when read, one writer at a time."""
+    """A directory of train-state checkpoints, a local path or a `gs://` URL, managed by Orbax:
+    async saves, the last k kept, every step verified when read, one writer at a time."""
 
     def __init__(
         self,
@@ -149,9 +144,11 @@ class Checkpoints(Restorer):
                 f"keep={keep!r}: a directory keeps its newest `keep` checkpoints and deletes "
                 "the others, so it must be a whole number of at least 1."
             )
-        _refuse_object_storage(directory)
-        self.directory = Path(directory).absolute()
-        if self.directory.exists() and not self.directory.is_dir():
+        self.directory = location(directory)
+        url = is_url(self.directory)
+        if url:  # within a stated time, before Orbax could create a bucket named by a typo
+            check_bucket(self.directory)
+        elif self.directory.exists() and not self.directory.is_dir():
             raise NoCheckpointError(
                 f"{self.directory} is a file, not a checkpoint directory: pass a directory's "
                 "path (a new one to start saving)."
@@ -161,11 +158,11 @@ class Checkpoints(Restorer):
                 f"no checkpoint directory at {self.directory}: check the path, or save "
                 "checkpoints there first (Checkpoints(directory).save(trainer))."
             )
-        self.lock = None
+        self.lock: WriterLock | MarkerLock | None = None
         if create:  # one writer: taken before Orbax may delete an unfinished save
             self.directory.mkdir(parents=True, exist_ok=True)
             if jax.process_index() == 0:
-                self.lock = WriterLock(self.directory)
+                self.lock = (MarkerLock if url else WriterLock)(self.directory, LOCK_FILE)
         self.discarded = self.partial() if create else []
         self.asynchronous = asynchronous
         self.writable = create
@@ -192,6 +189,8 @@ class Checkpoints(Restorer):
                 f"{self.directory} was {how}: open it with Checkpoints(directory) to save."
             )
         trainer.check_state()
+        if isinstance(self.lock, MarkerLock):  # no flock holds it: is the marker still ours?
+            self.lock.check()
         start = time.perf_counter()
         step = trainer.step_count()
         self._make_room(step, trainer.run, overwrite)

@@ -1,0 +1,237 @@
+"""Checkpoints on Google Cloud Storage, against a GCS emulator these tests start (the
+`gcp-storage-emulator` package, in memory, in this process; subprocesses reach it through
+`STORAGE_EMULATOR_HOST` for gcsfs and `TENSORSTORE_GCS_HTTP_URL` for TensorStore).
+
+The emulator leaves out one header real GCS sends with every object it returns,
+`x-goog-generation`, which TensorStore reads to know which version of an object it holds
+(without it every read of an OCDBT manifest fails as "Malformed StorageGeneration"); the fixture
+adds it from the emulator's own record of the object. The emulator does not honour
+`ifGenerationMatch=0` either, so the marker's create-only write is not atomic here: what these
+tests check is the read-back and the check before each save, which hold without it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+import uuid
+import warnings
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import fsspec
+import pytest
+
+from nnxscale import cli
+from nnxscale.checkpoint import (
+    Checkpoints,
+    CorruptCheckpointError,
+    SkippedCheckpointWarning,
+)
+from nnxscale.checkpoint.buckets import ObjectStorageError, location
+from nnxscale.checkpoint.integrity import LOCK_FILE, DirectoryLockedError, checksums
+from nnxscale.model import TINY, Transformer, create
+from nnxscale.placement.rules import DP, FSDP, TP, strategy_mesh
+from nnxscale.train import Trainer, adamw
+from nnxscale.train.data import book_batches
+
+from conftest import run_python
+
+BATCHES = book_batches(batch_size=16)
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def gcs() -> Iterator[Callable[[str], str]]:
+    """A GCS emulator with a bucket `run`; a function giving a new `gs://run/...` URL."""
+    from gcp_storage_emulator.handlers import objects
+
+    served = objects.download
+
+    def download(request, response, storage, *args, **kwargs) -> None:
+        served(request, response, storage, *args, **kwargs)
+        if response.status < 300:  # what GCS sends and the emulator leaves out
+            params = request.params
+            found = storage.get_file_obj(params["bucket_name"], params["object_id"])
+            response["x-goog-generation"] = found["generation"]
+            response["x-goog-metageneration"] = found["metageneration"]
+
+    objects.download = download
+    from gcp_storage_emulator.server import create_server
+
+    logging.getLogger("gcp_storage_emulator").setLevel(logging.CRITICAL)  # each 404 it serves
+    port = _free_port()
+    server = create_server("127.0.0.1", port, in_memory=True, default_bucket="run")
+    server.start()
+    endpoint = f"http://127.0.0.1:{port}"
+    env = {
+        "STORAGE_EMULATOR_HOST": endpoint,
+        "TENSORSTORE_GCS_HTTP_URL": endpoint,
+        "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false",  # no bucket-layout API to ask
+    }
+    saved = {name: os.environ.get(name) for name in env}
+    os.environ.update(env)
+    try:
+        yield lambda name: f"gs://run/{name}-{uuid.uuid4().hex[:8]}"
+    finally:
+        server.stop()
+        objects.download = served
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+def test_urls_stay_urls_and_local_paths_become_absolute(tmp_path, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    assert str(location("gs://bucket/runs/a/")) == "gs://bucket/runs/a"
+    assert location("runs/a") == tmp_path / "runs" / "a"
+
+
+def test_a_missing_bucket_is_named_and_not_created(gcs, tmp_path, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)  # a URL taken for a local path would write a folder here
+    with pytest.raises(ObjectStorageError, match=r"gs://nobucket does not exist.*create it"):
+        Checkpoints("gs://nobucket/run")
+    fs, _ = fsspec.core.url_to_fs("gs://run")
+    assert not fs.exists("nobucket")  # gcsfs would have made it, had Orbax been let create
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_credentials_file_that_is_not_there_is_named(gcs, monkeypatch) -> None:
+    monkeypatch.setenv("GOOGLE_APPLICATION_CREDENTIALS", "/no/such/key.json")
+    with pytest.raises(ObjectStorageError, match=r"names /no/such/key.json, which is not a"):
+        Checkpoints(gcs("creds"))
+
+
+def test_a_second_writer_is_refused_and_the_first_keeps_the_directory(gcs) -> None:
+    url = gcs("two")
+    first = Checkpoints(url)
+    with pytest.raises(DirectoryLockedError, match=rf"pid {os.getpid()} on "):
+        Checkpoints(url)
+    first.lock.check()  # still the holder
+    first.close()
+    Checkpoints(url).close()  # released: the next writer gets it
+
+
+@pytest.fixture(scope="module")
+def saved(gcs) -> dict:
+    """2 FSDP steps on 8 devices, saved to GCS after steps 1 and 2."""
+    url = gcs("saved")
+    trainer = Trainer.create(create(TINY), adamw(), FSDP, strategy_mesh(FSDP))
+    sums = {}
+    with Checkpoints(url) as checkpoints:
+        for _ in range(2):
+            trainer.train(BATCHES, 1)
+            sums[trainer.step_count()] = checksums(trainer.state)
+            checkpoints.save(trainer, BATCHES)
+    return {"url": url, "trainer": trainer, "sums": sums}
+
+
+@pytest.mark.slow
+def test_saves_on_gcs_restore_onto_other_meshes(saved, tmp_path, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    checkpoints = Checkpoints(saved["url"], create=False)
+    assert checkpoints.steps() == [1, 2] and checkpoints.partial() == []
+    files = {path for path, _, _ in checkpoints.files()}
+    assert {"commit_success.txt", "meta/metadata", "state/_METADATA"} <= files
+    assert checkpoints.record().run == saved["trainer"].run
+    for rules, mesh in [(TP, strategy_mesh(TP)), (DP, strategy_mesh(DP, 1))]:
+        restored = checkpoints.restore(Transformer.from_config, adamw(), rules, mesh)
+        assert checksums(restored.state) == saved["sums"][2]
+        assert restored.state["model"]["embed"][...].sharding.mesh.shape == mesh.shape
+    assert list(tmp_path.iterdir()) == []  # nothing went to a local folder named `gs:`
+
+
+@pytest.mark.slow
+def test_a_damaged_chunk_on_gcs_is_refused_and_restore_falls_back(saved, gcs) -> None:
+    url = gcs("damaged")
+    fs, _ = fsspec.core.url_to_fs(url)
+    source, target = saved["url"].removeprefix("gs://"), url.removeprefix("gs://")
+    fs.copy(source, target, recursive=True)
+    data = [p for p in fs.find(f"{target}/2/state") if "/d/" in p]
+    biggest = max(data, key=fs.size)
+    content = bytearray(fs.cat_file(biggest))
+    content[len(content) // 2] ^= 0x10
+    fs.pipe_file(biggest, bytes(content))
+    checkpoints = Checkpoints(url, create=False)
+    with pytest.raises(CorruptCheckpointError, match="step 2"):
+        checkpoints.restore(Transformer.from_config, adamw(), FSDP, strategy_mesh(FSDP), step=2)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        resumed = checkpoints.restore(Transformer.from_config, adamw(), FSDP, strategy_mesh(FSDP))
+    assert checksums(resumed.state) == saved["sums"][1]
+    assert any(w.category is SkippedCheckpointWarning for w in caught)
+
+
+@pytest.mark.slow
+def test_a_writer_whose_marker_was_taken_saves_nothing(saved, gcs) -> None:
+    url, trainer = gcs("taken"), saved["trainer"]
+    first = Checkpoints(url)
+    fs, path = fsspec.core.url_to_fs(f"{url}/{LOCK_FILE}")
+    fs.rm_file(path)  # the marker removed under a live writer...
+    second = Checkpoints(url)  # ...admits a second one
+    with pytest.raises(DirectoryLockedError, match=r"marker .* was replaced.*saves nothing"):
+        first.save(trainer, BATCHES)
+    second.save(trainer, BATCHES)
+    second.close()  # releases: the marker is gone
+    with pytest.raises(DirectoryLockedError, match=r"marker .* was deleted"):
+        first.save(trainer, BATCHES)
+    assert Checkpoints(url, create=False).steps() == [trainer.step_count()]  # second's only
+    first.close()
+
+
+@pytest.mark.slow
+def test_a_save_killed_mid_write_on_gcs_loses_only_that_step(gcs) -> None:
+    url, batches = gcs("crash"), book_batches(batch_size=8)
+    crash = cli.crash_during_save(url, steps=4, save_every=2, devices=4, batch_size=8)
+    assert crash.returncode == -9
+    survivors = Checkpoints(url, create=False)
+    assert survivors.partial() == ["4"]  # objects written, no commit marker
+    assert survivors.steps() == [2]
+    # The dead writer's marker (this host, its process gone) is taken over.
+    writer = Checkpoints(url)
+    assert writer.discarded == ["4"]
+    resumed = writer.restore(
+        Transformer.from_config, adamw(), FSDP, strategy_mesh(FSDP, 4), data=batches
+    )
+    assert checksums(resumed.state) == crash.checksums[2]
+    assert resumed.train(batches, 2) == [crash.losses[s] for s in (2, 3)]
+    writer.save(resumed, batches)
+    writer.close()
+    assert writer.steps() == [2, 4] and writer.partial() == []
+    assert checksums(resumed.state) == crash.checksums[4]
+
+
+@pytest.mark.slow
+def test_an_endpoint_that_does_not_answer_fails_within_the_stated_time(tmp_path) -> None:
+    code = """
+import time
+import nnxscale.checkpoint.buckets as buckets
+from nnxscale.checkpoint import Checkpoints
+buckets.REACH_SECONDS = 3
+start = time.perf_counter()
+try:
+    Checkpoints("gs://run/x")
+except buckets.ObjectStorageError as error:
+    print(f"{time.perf_counter() - start:.1f}", error)
+"""
+    start = time.perf_counter()
+    ran = run_python(
+        code,
+        STORAGE_EMULATOR_HOST=f"http://127.0.0.1:{_free_port()}",  # nothing listens there
+        GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT="false",
+    )
+    assert ran.returncodes == [0], ran.output
+    seconds, message = ran.output[-1].split(" ", 1)
+    assert 3 <= float(seconds) < 4, ran.output
+    assert "reaching gs://run got no answer in 3 s" in message
+    assert time.perf_counter() - start < 60  # the retrying thread does not hold the exit
+    assert not Path(tmp_path / "gs:").exists()
