@@ -97,6 +97,38 @@ def one_device_mesh(mesh: Mesh) -> Mesh:
     return make_mesh((1,) * len(mesh.axis_names), mesh.axis_names, explicit=explicit, devices=first)
 
 
+def _check_settings(steps: int, learning_rate: float) -> None:
+    """Refuse, before anything is compiled, settings under which any strategy would pass."""
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"steps={steps!r}: the runs are compared after at least 1 step.")
+    if not (np.isfinite(learning_rate) and learning_rate > 0):
+        raise ValueError(
+            f"learning_rate={learning_rate!r}: the weights are compared after SGD steps, so "
+            "they must move; at a learning rate of 0 (or below, or not finite) a strategy that "
+            "never reduces its gradients would pass. Use the default, 0.1."
+        )
+
+
+def _check_comparable(
+    losses: tuple[float, ...],
+    end: dict[str, np.ndarray],
+    start: dict[str, np.ndarray],
+    learning_rate: float,
+) -> None:
+    """Refuse runs that prove nothing: a loss or weight not finite, or no weight moved."""
+    if not np.all(np.isfinite(losses)) or not all(np.all(np.isfinite(x)) for x in end.values()):
+        raise ValueError(
+            f"the runs' losses {losses} or weights are not finite at learning_rate="
+            f"{learning_rate!r}: a gap between NaNs says nothing. Lower the learning rate."
+        )
+    if all(np.array_equal(end[path], start[path]) for path in end):
+        raise ValueError(
+            f"no weight moved in the one-device run at learning_rate={learning_rate!r}: the "
+            "gradients are zero (or the rate too small to change a float32), so a wrong "
+            "strategy would pass. Raise the learning rate, or check the loss."
+        )
+
+
 def _params(trainer: Any) -> dict[str, np.ndarray]:
     state = nnx.state(trainer.model(), nnx.Param)
     return {path: np.asarray(x, np.float64) for path, x in flat(state)}
@@ -120,7 +152,10 @@ def agreement(
     with `.check()`.
 
     The model is made on one device and copied into each layout, so both runs start from the
-    same weights whatever the initialisers do."""
+    same weights whatever the initialisers do. A comparison that cannot tell a wrong strategy
+    from a right one is refused (ValueError): no step, a learning rate at which nothing moves,
+    or a run whose losses or weights are not finite."""
+    _check_settings(steps, learning_rate)
     runs = []
     for where in (reference or one_device_mesh(mesh), mesh):
         with nnx.use_eager_sharding(False):
@@ -133,6 +168,7 @@ def agreement(
     (start, one, one_losses), (many_start, many, losses) = runs
     if any(not np.array_equal(start[p], many_start[p]) for p in start):
         raise AssertionError("the two runs did not start from the same weights")
+    _check_comparable(losses + one_losses, one, start, learning_rate)
     ulp = float(np.spacing(np.float32(one_losses[0])))
     loss_gap = max(abs(a - b) for a, b in zip(losses, one_losses, strict=True)) / ulp
 
