@@ -292,6 +292,26 @@ def test_a_writer_killed_by_sigkill_leaves_a_lock_the_next_writer_takes(tmp_path
         assert taken.lock is not None
 
 
+
+@pytest.mark.slow
+def test_a_writer_whose_lock_file_was_removed_saves_nothing(tmp_path) -> None:
+    """`flock` holds a file, not a name: with the file deleted, a second writer locks a new
+    one. The first finds its file gone, or another in its place, before its next save."""
+    trainer = Trainer.create(create(TINY), adamw(), DP, MESH)
+    directory = tmp_path / "run"
+    first = Checkpoints(directory)
+    (directory / LOCK_FILE).unlink()
+    with pytest.raises(DirectoryLockedError, match=r"lock file .* was deleted"):
+        first.save(trainer, BATCHES)
+    second = Checkpoints(directory)  # admitted: a new file, a new lock
+    with pytest.raises(DirectoryLockedError, match=r"lock file .* was replaced"):
+        first.save(trainer, BATCHES)
+    second.save(trainer, BATCHES)
+    second.close()
+    first.close()
+    assert Checkpoints(directory, create=False).steps() == [0]  # the second writer's save
+
+
 SAVED_ONCE = """
 import subprocess
 import sys

@@ -176,6 +176,23 @@ class WriterLock:
         self._file.write(f"pid {os.getpid()} on {host} since {when}")
         self._file.flush()
 
+    def check(self) -> None:
+        """Raise DirectoryLockedError if the lock file was deleted or replaced under this
+        writer: a second writer may then hold a new file of that name, and `flock` would not
+        see it."""
+        try:
+            current = os.stat(self.path).st_ino
+        except FileNotFoundError:
+            current = None
+        if current != os.fstat(self._file.fileno()).st_ino:
+            what = "deleted" if current is None else "replaced"
+            raise DirectoryLockedError(
+                f"this writer's lock file {self.path} was {what}, so another writer may hold "
+                "the directory now, and this one saves nothing more. Open the directory again "
+                "(Checkpoints(directory)) once no other writer is left; leave the lock file "
+                "alone while a writer runs."
+            )
+
     def release(self) -> None:
         """Let another writer take the directory."""
         if not self._file.closed:

@@ -15,7 +15,9 @@ from pathlib import Path
 from typing import TypeVar
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
+from jax.experimental import multihost_utils
 
 from nnxscale.checkpoint.buckets import (
     Location,
@@ -31,6 +33,7 @@ from nnxscale.checkpoint.errors import (
 )
 from nnxscale.checkpoint.integrity import (
     LOCK_FILE,
+    DirectoryLockedError,
     WriterLock,
     claim_directory,
     directory_run,
@@ -189,8 +192,7 @@ class Checkpoints(Restorer):
                 f"{self.directory} was {how}: open it with Checkpoints(directory) to save."
             )
         trainer.check_state()
-        if isinstance(self.lock, MarkerLock):  # no flock holds it: is the marker still ours?
-            self.lock.check()
+        self._check_held()
         start = time.perf_counter()
         step = trainer.step_count()
         self._make_room(step, trainer.run, overwrite)
@@ -213,6 +215,25 @@ class Checkpoints(Restorer):
         returned = time.perf_counter()
         self.times[step] = SaveTimes(start, returned, None if self.asynchronous else returned)
         return returned - start
+
+    def _check_held(self) -> None:
+        """Raise DirectoryLockedError, on every process alike, if the lock file or marker no
+        longer names this writer (process 0 holds it; the others learn its answer)."""
+        error = None
+        if self.lock is not None:
+            try:
+                self.lock.check()
+            except DirectoryLockedError as lost:
+                error = lost
+        if jax.process_count() > 1:
+            lost = bool(multihost_utils.broadcast_one_to_all(np.int32(error is not None)))
+            if lost and error is None:
+                error = DirectoryLockedError(
+                    f"process 0 found that this run no longer holds {self.directory}: it "
+                    "saves nothing more (process 0's error says why)."
+                )
+        if error is not None:
+            raise error
 
     def _make_room(self, step: int, run: str, overwrite: bool) -> None:
         """Refuse a save Orbax would drop, or one that mixes two runs; with `overwrite`, delete
