@@ -735,3 +735,17 @@ def test_an_optimizer_that_makes_a_non_finite_update_is_skipped_at_that_step() -
     with pytest.raises(NonFiniteError, match="step 1: "):
         scheduled.train(BATCHES, 1)
     assert np.isfinite(np.asarray(scheduled.state["model"]["embed"][...])).all()
+
+
+@pytest.mark.slow
+def test_a_state_read_before_train_is_refused_not_read_after_donation() -> None:
+    """`st = trainer.state`, then `train()`: each step took st's arrays (donated). Reading
+    them crashed the process (SIGSEGV); now the library's readers refuse them first."""
+    trainer = Trainer.create(create(TINY), adamw(), DP, MESH)
+    kept = trainer.state
+    trainer.train(BATCHES, 1)
+    with pytest.raises(ValueError, match=r"checksums: \d+ of its arrays were deleted"):
+        checksums(kept)
+    with pytest.raises(ValueError, match=r"train\(\) ran.*jax.tree.map\(jnp.copy"):
+        trainer.evaluate(kept, trainer.batch(BATCHES))
+    assert np.isfinite(float(trainer.evaluate(trainer.state, trainer.batch(BATCHES))))

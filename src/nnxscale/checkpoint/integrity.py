@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from nnxscale.core.trees import key_data, path_str
+from nnxscale.core.trees import check_alive, key_data, path_str
 from nnxscale.placement.rounds import group_layers
 
 SCHEME = "nnxscale-position-mix-1"
@@ -96,6 +96,7 @@ def checksums(tree: Any) -> dict[str, str]:
     """Path -> 16 hex digits digesting each array's shape, dtype and every element, the stacked
     layers taken as one plain stack however a pipeline holds them (`group_layers`: a reshape,
     which keeps each element's position). Equal for equal arrays on any mesh and layout."""
+    check_alive(tree, "the state given to checksums")
     plain = dict(leaves_of(jax.eval_shape(lambda t: group_layers(t, 1), tree)))
     leaves = leaves_of(tree)
     sums = _all_sums([x for _, x in leaves])

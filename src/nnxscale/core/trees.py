@@ -91,3 +91,18 @@ def largest_difference(a: Any, b: Any) -> float:
 
     pairs = zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)
     return max((float(np.max(np.abs(host(x) - host(y)))) for x, y in pairs), default=0.0)
+
+
+def check_alive(tree: Any, what: str) -> None:
+    """Raise ValueError if an array of `tree` was deleted, before XLA reads freed memory (it
+    can crash the process): a state read from a trainer that trained since, which gave each
+    step the arrays to update in place (donated)."""
+    values = [(path, x.get_value() if isinstance(x, nnx.Variable) else x) for path, x in flat(tree)]
+    deleted = [path for path, x in values if isinstance(x, jax.Array) and x.is_deleted()]
+    if deleted:
+        raise ValueError(
+            f"{what}: {len(deleted)} of its arrays were deleted (first: {deleted[0]}). It was "
+            "read from a trainer before train() ran, and each train step takes the state's "
+            "arrays and updates them in place (donation). Read trainer.state again after "
+            "train(), or keep a copy taken before: jax.tree.map(jnp.copy, trainer.state)."
+        )

@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
+from nnxscale.core.trees import check_alive
 from nnxscale.placement.layout import Layout, activation_rules
 from nnxscale.placement.mesh import axis_type_error
 
@@ -63,9 +64,11 @@ def compile_under(
 def run_under(
     fn: Callable[..., jax.Array], layout: Layout, activations: bool
 ) -> Callable[..., jax.Array]:
-    """`fn`, traced and run under `layout` (`under`), its tracing errors naming their fix."""
+    """`fn`, traced and run under `layout` (`under`), its tracing errors naming their fix, and
+    arguments deleted by a train step since they were read refused (`check_alive`)."""
 
     def run(*args: Any) -> jax.Array:
+        check_alive(args, "the state or batch given")
         with under(layout, activations):
             return traced(fn, layout.mesh)(*args)
 
