@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from nnxscale.runtime.devices import fast_compile_flags, requested_devices
+from nnxscale.runtime.devices import MAX_EMULATED, fast_compile_flags, requested_devices
 
 from conftest import run_python
 
@@ -113,6 +113,15 @@ def test_bad_counts_name_the_variable_and_the_fix(
     monkeypatch.setenv("NNXSCALE_DEVICES", value)
     with pytest.raises(ValueError, match=r"NNXSCALE_DEVICES=.*positive integer.*'native'"):
         requested_devices()
+
+
+def test_a_count_too_large_to_emulate_is_refused_before_jax_starts(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("NNXSCALE_DEVICES", "1000000")  # crashed after 40 s
+    with pytest.raises(ValueError, match=r"NNXSCALE_DEVICES='1000000': at most 256 .*Abstract"):
+        requested_devices()
+    assert requested_devices(MAX_EMULATED) == MAX_EMULATED
 
 
 def test_native_is_read_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -292,7 +292,6 @@ def test_a_writer_killed_by_sigkill_leaves_a_lock_the_next_writer_takes(tmp_path
         assert taken.lock is not None
 
 
-
 @pytest.mark.slow
 def test_a_writer_whose_lock_file_was_removed_saves_nothing(tmp_path) -> None:
     """`flock` holds a file, not a name: with the file deleted, a second writer locks a new

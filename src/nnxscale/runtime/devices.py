@@ -30,6 +30,10 @@ class EmulationTooLateError(RuntimeError):
     """JAX's backend started before the devices could be emulated."""
 
 
+MAX_EMULATED = 256
+"""The most CPU devices `emulate_devices` makes: 1024 took over a minute for one sum here."""
+
+
 def requested_devices(value: int | str | None = None) -> int | None:
     """Emulated device count asked for: argument, else $NNXSCALE_DEVICES, else 8; None if native."""
     raw = os.environ.get(DEVICES_ENV, str(DEFAULT_DEVICES)) if value is None else value
@@ -44,6 +48,14 @@ def requested_devices(value: int | str | None = None) -> int | None:
         raise ValueError(
             f"{where} is not a device count: use a positive integer such as 8 "
             f"(emulated CPU devices) or {NATIVE!r} (the accelerators JAX finds, no emulation)."
+        )
+    if count > MAX_EMULATED:
+        where = f"{DEVICES_ENV}={raw!r}" if value is None else f"device count {raw!r}"
+        raise ValueError(
+            f"{where}: at most {MAX_EMULATED} devices are emulated. Each is a set of threads "
+            "and buffers on this machine's CPU cores, so thousands take minutes to start and "
+            "can exhaust memory. To plan a mesh of that size without devices, use "
+            "jax.sharding.AbstractMesh, or the planner (nnxscale.plan)."
         )
     return count
 
