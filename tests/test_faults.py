@@ -748,3 +748,35 @@ def test_a_state_read_before_train_is_refused_not_read_after_donation() -> None:
     with pytest.raises(ValueError, match=r"train\(\) ran.*jax.tree.map\(jnp.copy"):
         trainer.evaluate(kept, trainer.batch(BATCHES))
     assert np.isfinite(float(trainer.evaluate(trainer.state, trainer.batch(BATCHES))))
+
+
+@pytest.mark.parametrize(
+    ("arguments", "named"),
+    [
+        (["--save-every", "0"], "argument --save-every: '0' is not a whole number of at least 1"),
+        (["--batch-size", "-4"], "argument --batch-size: '-4' is not a whole number"),
+        (["--rules", "XYZ"], "argument --rules: invalid choice: 'XYZ' (choose from 'DP', 'FSDP'"),
+        (["--config", "layers=4"], "argument --config: 'layers=4' is not JSON"),
+        (["--config", "[4]"], "argument --config: '[4]' is not a JSON object"),
+        (["--config", '{"embed": -4}'], "embed=-4: every size must be a positive integer"),
+        (["--config", '{"depth": 4}'], "unexpected keyword argument 'depth'"),
+        (["--compiler-options", "fast"], "argument --compiler-options: 'fast' is not JSON"),
+    ],
+)
+def test_bad_command_line_arguments_are_named_before_anything_runs(
+    arguments, named, tmp_path, capsys
+) -> None:
+    """Each of these ended in a traceback (ZeroDivisionError after a step, KeyError,
+    JSONDecodeError, MLIRError) instead of a usage error."""
+    command = ["train", str(tmp_path / "run"), "--steps", "2", "--save-every", "1"]
+    with pytest.raises(SystemExit) as exited:
+        nx.cli.main([*command, *arguments])
+    assert exited.value.code == 2
+    assert named in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
+
+
+def test_collective_outside_a_launched_run_is_named(capsys) -> None:
+    with pytest.raises(SystemExit):
+        nx.cli.main(["collective"])
+    assert "collective runs in processes that nnxscale.launch starts" in capsys.readouterr().err

@@ -64,7 +64,7 @@ def tell(kind: type[events.Event], **fields: Any) -> None:
 
 def _train(args: argparse.Namespace) -> None:
     rules = RULE_SETS[args.rules]
-    cfg = TINY.replace(**json.loads(args.config))
+    cfg = TINY.replace(**args.config)
     mesh = strategy_mesh(rules)
     batches = book_batches(args.batch_size)
     with Checkpoints(args.directory, keep=args.keep) as checkpoints, Preemption() as preemption:
@@ -74,7 +74,7 @@ def _train(args: argparse.Namespace) -> None:
             )
             tell(events.Resumed, step=trainer.step_count())
         else:
-            options = TrainOptions(compiler_options=json.loads(args.compiler_options) or None)
+            options = TrainOptions(compiler_options=args.compiler_options or None)
             trainer = Trainer.create(create(cfg), adamw(), rules, mesh, options)
         start, stop = batches.local_rows(trainer.batch_sharding)
         tell(
@@ -209,6 +209,37 @@ def _crossing(args: argparse.Namespace) -> None:
     )
 
 
+def _positive(text: str) -> int:
+    """An argument that must be a whole number of at least 1."""
+    value = int(text) if text.strip().lstrip("+").isdigit() else 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of at least 1")
+    return value
+
+
+def _json_object(text: str) -> dict[str, Any]:
+    """An argument that must be a JSON object, such as '{"layers": 4}'."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise argparse.ArgumentTypeError(f"{text!r} is not JSON ({error})") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a JSON object such as '{{\"layers\": 4}}'"
+        )
+    return value
+
+
+def _config_changes(text: str) -> dict[str, Any]:
+    """Changes to the TINY config, as JSON, checked as the Config they make."""
+    changes = _json_object(text)
+    try:
+        TINY.replace(**changes)
+    except (TypeError, ValueError) as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+    return changes
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     """Parse the command line, emulate the devices asked for, and run the command."""
     parser = argparse.ArgumentParser(prog="python -m nnxscale", description=__doc__)
@@ -223,20 +254,23 @@ def main(argv: Sequence[str] | None = None) -> None:
     crossing = commands.add_parser(
         "crossing", help="in a launched run: which collectives of a step cross processes"
     )
-    crossing.add_argument("--rules", default="HSDP", help="HSDP or HSDP+TP: replica across")
-    crossing.add_argument("--batch-size", type=int, default=16)
+    crossing.add_argument("--rules", default="HSDP", choices=("HSDP", "HSDP+TP"))
+    crossing.add_argument("--batch-size", type=_positive, default=16)
     for command in (train, restore):
         command.add_argument("directory")
         command.add_argument("--devices", default=None, help="emulated devices (default: 8)")
-        command.add_argument("--rules", default="FSDP", help="DP, FSDP, TP or FSDP+TP")
-    train.add_argument("--steps", type=int, required=True, help="train until this step")
-    train.add_argument("--save-every", type=int, required=True)
-    train.add_argument("--keep", type=int, default=3, help="checkpoints kept")
-    train.add_argument("--batch-size", type=int, default=16)
-    train.add_argument("--config", default="{}", help="JSON changes to the TINY model config")
+        command.add_argument("--rules", default="FSDP", choices=sorted(RULE_SETS))
+    train.add_argument("--steps", type=_positive, required=True, help="train until this step")
+    train.add_argument("--save-every", type=_positive, required=True)
+    train.add_argument("--keep", type=_positive, default=3, help="checkpoints kept")
+    train.add_argument("--batch-size", type=_positive, default=16)
+    train.add_argument(
+        "--config", type=_config_changes, default={}, help="JSON changes to the TINY config"
+    )
     train.add_argument(
         "--compiler-options",
-        default="{}",
+        type=_json_object,
+        default={},
         help="JSON options for XLA when a new run's step compiles (a resumed run: the saved ones)",
     )
     train.add_argument(
@@ -249,6 +283,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     restore.add_argument("--step", type=int, default=None, help="default: the latest")
     restore.add_argument("--report", default=None, help="write checksums here as JSON")
     args = parser.parse_args(argv)
+    if args.command in ("collective", "crossing") and COORDINATOR not in os.environ:
+        parser.error(f"{args.command} runs in processes that nnxscale.launch starts (launch.run)")
     if COORDINATOR in os.environ:  # a launched worker: devices and peers from the launcher
         initialize()
     else:
