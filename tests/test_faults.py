@@ -780,3 +780,29 @@ def test_collective_outside_a_launched_run_is_named(capsys) -> None:
     with pytest.raises(SystemExit):
         nx.cli.main(["collective"])
     assert "collective runs in processes that nnxscale.launch starts" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("call", "named"),
+    [
+        (lambda s: nx.costs.step_cost(nx.Config(), s, "H100", -16), "batch=-16"),
+        (lambda s: nx.costs.ledger(nx.Config(), s, -16), "batch=-16"),
+        (lambda s: nx.costs.ledger(nx.Config(), s, 16, 0), "seq=0"),
+        (lambda s: nx.costs.step_cost(nx.Config(), s, "H100", 2.5), "batch=2.5"),
+    ],
+)
+def test_the_cost_model_refuses_sizes_that_are_not_positive(call, named) -> None:
+    """A batch of -16 priced -160 MB of activations (-303 GB on a large model)."""
+    with pytest.raises(ValueError, match=rf"{re.escape(named)}: a step's \w+ must be a positive"):
+        call(nx.costs.Setup.of(DP, {"data": 8}))
+
+
+def test_the_planner_refuses_a_device_count_beyond_any_cluster_at_once() -> None:
+    """2**40 devices hung: the search over meshes walked every number up to the count."""
+    start = time.perf_counter()
+    with pytest.raises(ValueError, match=r"devices=1,099,511,627,776: .* up to 1,048,576"):
+        nx.plan(nx.Config(), 2**40, "H100", global_batch=2**40)
+    assert time.perf_counter() - start < 1
+    assert sorted(nx.costs.planner.factorisations(12, 2)) == [
+        (1, 12), (2, 6), (3, 4), (4, 3), (6, 2), (12, 1)
+    ]  # fmt: skip

@@ -115,10 +115,10 @@ def factorisations(devices: int, axes: int) -> Iterator[tuple[int, ...]]:
     if axes == 1:
         yield (devices,)
         return
-    for first in range(1, devices + 1):
-        if devices % first == 0:
-            for rest in factorisations(devices // first, axes - 1):
-                yield (first, *rest)
+    small = [d for d in range(1, math.isqrt(devices) + 1) if devices % d == 0]
+    for first in small + [devices // d for d in reversed(small) if d * d != devices]:
+        for rest in factorisations(devices // first, axes - 1):
+            yield (first, *rest)
 
 
 def meshes(rules: Rules, devices: int, domain: int) -> Iterator[dict[str, int]]:
@@ -436,12 +436,21 @@ def plan(
     return Plan(cfg, devices, hw, global_batch, seq, memory, options)
 
 
+MAX_DEVICES = 2**20
+"""The most devices `plan` prices: about a million, beyond any cluster built so far."""
+
+
 def _check(cfg: Config, devices: int, batch: int, seq: int, memory: float) -> None:
     """Refuse input the planner cannot price, naming the problem and the fix (a `Config`
     checks its own sizes when it is made)."""
     for name, value in (("devices", devices), ("global_batch", batch), ("seq", seq)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    if devices > MAX_DEVICES:
+        raise ValueError(
+            f"devices={devices:,}: the planner prices meshes of up to {MAX_DEVICES:,} devices, "
+            "beyond the largest clusters built; the search over meshes grows with the count."
+        )
     problem = mixture_problem(cfg)
     if problem:
         raise ValueError(problem)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from nnxscale.analysis.comm import ring_bytes
@@ -271,6 +272,16 @@ def _collectives(
     ]
 
 
+def _sizes_checked(cfg: Config, batch: int, seq: int | None) -> int:
+    """The sequence length (default `cfg.max_len`), once `batch` and it are positive whole
+    numbers: a negative batch priced negative activations."""
+    seq = cfg.max_len if seq is None else seq
+    for name, value in (("batch", batch), ("seq", seq)):
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+            raise ValueError(f"{name}={value!r}: a step's {name} must be a positive integer")
+    return int(seq)
+
+
 def step_cost(
     cfg: Config,
     setup: Setup,
@@ -292,6 +303,7 @@ def step_cost(
     schedule's bubble (`pipeline_bubble`).
     """
     hw = hardware(hw)
+    seq = _sizes_checked(cfg, batch, seq)
     efficiency = hw.efficiency if efficiency is None else efficiency
     if not 0 < efficiency <= 1:
         raise ValueError(
@@ -299,7 +311,6 @@ def step_cost(
             f"(0, 1]; leave it out for {hw.name}'s ({hw.efficiency:.0%}, "
             f"{hw.efficiency_source})"
         )
-    seq = seq or cfg.max_len
     costs = derive(
         setup.rules, cfg.compute_dtype, setup.remat, mixture(cfg), setup.schedule, setup.reduce_once
     )
@@ -390,7 +401,7 @@ def ledger(cfg: Config, setup: Setup, batch: int, seq: int | None = None) -> dic
     `LEDGER_PARTS`): parameters, gradients, optimizer state, and activations (those the
     backward pass keeps, and those remat rebuilds). Each is held at its own moment of the
     step, so the step's peak (`step_cost(...).peak`) is not their sum."""
-    seq = seq or cfg.max_len
+    seq = _sizes_checked(cfg, batch, seq)
     costs = derive(
         setup.rules, cfg.compute_dtype, setup.remat, mixture(cfg), setup.schedule, setup.reduce_once
     )
@@ -410,7 +421,7 @@ def ledger_terms(cfg: Config, setup: Setup, batch: int, seq: int | None = None) 
     16 bits), what is kept outside them (the embedding's output, the last norm), the logits
     (float32, for the loss), and one layer rebuilt while its backward pass runs. Together
     they are `ledger(...)["activations"]`."""
-    seq = seq or cfg.max_len
+    seq = _sizes_checked(cfg, batch, seq)
     costs = derive(
         setup.rules, cfg.compute_dtype, setup.remat, mixture(cfg), setup.schedule, setup.reduce_once
     )
