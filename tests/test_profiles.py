@@ -155,9 +155,36 @@ def test_a_folder_without_a_trace_says_how_to_make_one(tmp_path: Path) -> None:
 
 
 def test_a_trace_of_another_program_is_refused(fsdp: nx.Trainer, tmp_path: Path) -> None:
-    _trace_file(tmp_path, [_op("no-such-op.9", 1.0, 1.0)])
+    """By its module's name, even where its op names coincide with the program's (`join`
+    returned that program's costs), and by an op the program does not hold."""
+    name = profiles.Program.of(fsdp.compiled).name
+    ours = next(i.name for _, i in profiles.Program.of(fsdp.compiled).instructions())
+    _trace_file(tmp_path / "other", [_op(ours, 1.0, 1.0)])  # module jit_f
+    with pytest.raises(ValueError, match=rf"ops of 'jit_f', and the compiled program is '{name}'"):
+        profiles.join(profiles.read(tmp_path / "other"), fsdp.compiled)
+    event = _op("no-such-op.9", 1.0, 1.0)
+    event["args"]["hlo_module"] = name
+    _trace_file(tmp_path / "same", [event])
     with pytest.raises(ValueError, match="not in the compiled program"):
-        profiles.join(profiles.read(tmp_path), fsdp.compiled)
+        profiles.join(profiles.read(tmp_path / "same"), fsdp.compiled)
+
+
+@pytest.mark.parametrize(
+    "content",
+    [b"", b"not gzip", gzip.compress(b'{"traceEvents": [')[:-4], gzip.compress(b"{}")],
+    ids=["empty", "not gzip", "cut short", "not a trace"],
+)
+def test_a_trace_that_cannot_be_read_is_named(tmp_path: Path, content: bytes) -> None:
+    path = _trace_file(tmp_path, [])
+    path.write_bytes(content)
+    with pytest.raises(profiles.TraceNotFoundError, match="not a trace the profiler finished"):
+        profiles.read(tmp_path)
+
+
+def test_an_empty_trace_has_no_span(tmp_path: Path) -> None:
+    _trace_file(tmp_path, [])
+    with pytest.raises(ValueError, match="holds no ops"):
+        profiles.read(tmp_path).span()
 
 
 def test_runs_that_lost_events_are_not_chosen() -> None:

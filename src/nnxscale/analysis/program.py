@@ -94,6 +94,8 @@ class Program:
     computations: dict[str, dict[str, Instruction]]
     entry: str
     partitions: int
+    name: str = ""
+    """The module's name (`jit_train_step`), which a profile's ops carry as their module."""
 
     @classmethod
     def of(cls, program: object) -> Program:
@@ -122,7 +124,8 @@ class Program:
         header = module.to_string(xla_client.hlo.HloPrintOptions.short_parsable())
         entry = _ENTRY.search(header)
         partitions = _PARTITIONS.search(header.split("\n", 1)[0])
-        return cls(computations, entry.group(1), int(partitions.group(1)) if partitions else 1)
+        count = int(partitions.group(1)) if partitions else 1
+        return cls(computations, entry.group(1), count, module.name)
 
     def instructions(self) -> Iterator[tuple[str, Instruction]]:
         """(computation, instruction) for every instruction of every computation."""

@@ -112,6 +112,11 @@ class Trace:
 
     def span(self) -> float:
         """Microseconds from the first op's start to the last op's end."""
+        if not self.ops:
+            raise ValueError(
+                f"the trace {self.path} holds no ops here: the program did not run while the "
+                "profiler recorded, or `of()` named another module"
+            )
         return max(o.end for o in self.ops) - min(o.start for o in self.ops)
 
 
@@ -139,8 +144,15 @@ def read(directory: str | Path) -> Trace:
     end, which keeps every op's total time exact however the devices interleave). A GPU's
     ops do not name their run: each belongs to the last launch of its program before it."""
     path = trace_file(directory)
-    events = json.loads(gzip.decompress(path.read_bytes()))["traceEvents"]
-    processes = {e["pid"]: e["args"]["name"] for e in events if e.get("name") == "process_name"}
+    try:
+        events = json.loads(gzip.decompress(path.read_bytes()))["traceEvents"]
+        processes = {e["pid"]: e["args"]["name"] for e in events if e.get("name") == "process_name"}
+    except (OSError, EOFError, ValueError, KeyError, TypeError) as error:
+        raise TraceNotFoundError(
+            f"{path} is not a trace the profiler finished writing ({type(error).__name__}: "
+            f"{error}): it is empty, cut short, or not a JAX profile. Profile again into an "
+            "empty directory (nnxscale.profiles.record)."
+        ) from None
     ends: dict[str, list[float]] = defaultdict(list)
     launches: dict[str, list[tuple[float, str]]] = defaultdict(list)
     ops = []
@@ -330,6 +342,14 @@ def join(trace: Trace, program: object) -> list[Timed]:
     conditionals are left out: the ops inside them are traced and counted themselves. An op
     the program does not hold raises: the trace is of another program."""
     table = costs(program)
+    name = Program.of(program).name
+    foreign = sorted({o.module for o in trace.ops} - {name})
+    if foreign:
+        raise ValueError(
+            f"the trace holds ops of {', '.join(map(repr, foreign))}, and the compiled program "
+            f"is {name!r}: pass the program that ran, or the trace of it alone "
+            f"(trace.of({name!r}))"
+        )
     work = [o for o in trace.ops if table.get(o.name, _CONTAINER).opcode not in _CONTROL]
     share = shared(work)
     grouped: dict[tuple[int, str], list[Op]] = defaultdict(list)
@@ -484,7 +504,7 @@ def profile(
 
     found: dict[str, Any] = {}
     trace = record(lambda: found.update(best=alongside(timed, probe, steps)), directory)
-    module = trainer.compiled.runtime_executable().hlo_modules()[0].name
+    module = Program.of(trainer.compiled).name
     runs = [trace.of(module).run(i) for i in range(len(times))]
     whole = _complete(runs, Program.of(trainer.compiled).partitions)
     if not whole:
