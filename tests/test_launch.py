@@ -186,3 +186,23 @@ def test_a_command_that_cannot_run_is_named() -> None:
 
 def test_how_it_ended() -> None:
     assert how_it_ended(-9) == "killed by SIGKILL" and how_it_ended(2) == "exit status 2"
+
+
+@pytest.mark.parametrize("timeout", [-5, 0, float("nan"), "60"])
+def test_a_timeout_that_is_not_seconds_starts_no_worker(timeout, tmp_path: Path) -> None:
+    """`launch(..., timeout=-5)` raised only once its workers ran, and left them running."""
+    marker = tmp_path / "started"
+    command = [sys.executable, "-c", f"open({str(marker)!r}, 'w')"]
+    with pytest.raises(ValueError, match="a number of seconds above 0"):
+        launch(command, 2, 1, timeout=timeout, echo=None)
+    with pytest.raises(ValueError, match="a number of seconds above 0"):
+        run(command, 1, timeout=timeout)
+    time.sleep(0.5)
+    assert not marker.exists()
+
+
+def test_a_wait_that_cannot_wait_stops_its_workers() -> None:
+    started = start(SLEEPER, 2, 1, echo=None)
+    with pytest.raises(ValueError, match="a number of seconds above 0"):
+        started.wait(0)
+    assert all(gone(worker.pid) for worker in started.workers)

@@ -160,8 +160,11 @@ class Run:
         as a scheduler does: workers that save and exit well within `stop_grace` seconds
         (`nnxscale.preemption`) end the run well; any other end stops it, as above.
         """
-        if not timeout > 0:
-            raise ValueError(f"timeout={timeout!r}: give the run a number of seconds above 0")
+        try:
+            _check_timeout(timeout)
+        except ValueError:
+            self.stop()  # a wait that cannot wait leaves no worker behind
+            raise
         deadline = time.monotonic() + timeout
         ended: dict[int, float] = {}
         failure, asked = None, None
@@ -250,6 +253,12 @@ def _environment(
             {COORDINATOR: coordinator, PROCESSES: str(processes), PROCESS_ID: str(index)}
         )
     return worker_env
+
+
+def _check_timeout(timeout: object) -> None:
+    """Refuse a timeout that is not a number of seconds above 0 (NaN included)."""
+    if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not timeout > 0:
+        raise ValueError(f"timeout={timeout!r}: give the run a number of seconds above 0")
 
 
 def _check_start(
@@ -345,6 +354,7 @@ def launch(
     """Run `command` as `processes` workers of one distributed run; their prefixed output.
     Without a `port`, a coordinator that finds its port taken (another program bound it
     after the launcher chose it) is started again on another, up to three times."""
+    _check_timeout(timeout)  # before any worker starts
     for attempt in range(3):
         run = start(command, processes, devices, echo=echo, env=env, stop=stop, port=port)
         try:
@@ -381,6 +391,7 @@ def run(
     emulated devices (None: as the environment says), and wait for it; the finished run
     (`output`, `returncodes`, `text`). With `check`, a non-zero exit raises LaunchError with
     its last lines; running past `timeout` raises it either way."""
+    _check_timeout(timeout)
     finished = start(command, 1, devices, echo=None, env=env, cwd=cwd)
     finished.wait(timeout, check=check)
     return finished
