@@ -410,8 +410,12 @@ def test_a_non_finite_step_raises_when_asked_and_keeps_the_state() -> None:
 @pytest.mark.parametrize(
     ("make", "match"),
     [
-        (lambda: trainer_for(DP, 8, tx=optax.adamw(float("nan"))), "first update"),
-        (lambda: trainer_for(DP, 8, tx=optax.sgd(-0.1)), "first update"),
+        (lambda: trainer_for(DP, 8, tx=optax.adamw(float("nan"))), "update at step 0 "),
+        (lambda: trainer_for(DP, 8, tx=optax.sgd(-0.1)), "update at step 0 "),
+        (  # decays past 0 at step 500: only step 0 was probed, and training went uphill
+            lambda: trainer_for(DP, 8, tx=optax.adamw(optax.linear_schedule(3e-3, -3e-3, 1000))),
+            r"update at step 1,000 of a weight .* is 0\.00",
+        ),
         (lambda: adamw(float("inf")), "learning_rate=inf"),
         (lambda: adamw(-1e-3), "learning_rate=-0.001"),
         (lambda: TrainOptions(ema_decay=1.0), "ema_decay=1.0"),

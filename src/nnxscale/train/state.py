@@ -85,23 +85,40 @@ def check_model(model: object) -> None:
         )
 
 
+PROBED_STEPS = (0, 1, 10, 100, 1_000, 10_000, 100_000, 1_000_000)
+"""The steps at which `check_optimizer` asks for an update: a schedule is a function of the
+step count, read by setting the optimizer state's counts, so each costs one update."""
+
+
 def check_optimizer(tx: optax.GradientTransformation) -> None:
-    """Raise a clear error when `tx`'s first update of a weight with gradient 1 is not finite,
-    or not a descent (a NaN, infinite or negative learning rate): checked once, on one number,
-    before a step could write such an update into every weight."""
+    """Raise a clear error when `tx`'s update of a weight with gradient 1 is not finite, or
+    not a descent (a NaN, infinite or negative learning rate), at any of `PROBED_STEPS`: a
+    schedule that turns negative later (one that decays past 0) would train uphill from
+    there. Checked on one number, with the state's step counts set to each step in turn,
+    before a step could write such an update into every weight. A schedule negative only
+    between two probed steps goes unseen."""
     if not isinstance(tx, optax.GradientTransformation):
         raise TypeError(
             f"expected an optax optimizer (optax.GradientTransformation), got {tx!r}: pass one "
             "such as nx.adamw() or optax.adamw(3e-3)."
         )
     weight, grad = {"w": jnp.zeros((), jnp.float32)}, {"w": jnp.ones((), jnp.float32)}
-    update = float(tx.update(grad, tx.init(weight), weight)[0]["w"])
-    if not math.isfinite(update) or update > 0:
-        raise ValueError(
-            f"the optimizer's first update of a weight whose gradient is 1 is {update}: "
-            "with a finite learning rate of 0 or more it would be a finite step down. Check "
-            "the learning rate (and schedule) the optimizer was built with."
-        )
+    state = tx.init(weight)
+    for step in PROBED_STEPS:
+        try:
+            at = optax.tree_utils.tree_set(state, count=jnp.asarray(step, jnp.int32))
+        except KeyError:  # no step count: every step updates alike
+            at, step = state, 0
+        update = float(tx.update(grad, at, weight)[0]["w"])
+        if not math.isfinite(update) or update > 0:
+            raise ValueError(
+                f"the optimizer's update at step {step:,} of a weight whose gradient is 1 is "
+                f"{update}: with a finite learning rate of 0 or more it would be a finite step "
+                "down. Check the learning rate and its schedule (one that decays past 0 turns "
+                "negative), which the optimizer was built with."
+            )
+        if at is state:
+            return
 
 
 LEARNING_RATE = 3e-3
