@@ -354,6 +354,33 @@ def test_a_failed_background_save_raises_and_the_process_exits(tmp_path) -> None
     assert restore(tmp_path / "run").step_count() == 1
 
 
+FAILED_THEN_SAVED = (
+    FAILING_SAVE.split("try:")[0]
+    + """
+trainer.train(data, 1)
+try:
+    checkpoints.save(trainer, data)
+except nx.checkpoint.SaveError as error:
+    print(f"SaveError: {error}", flush=True)
+trainer.train(data, 1)
+checkpoints.save(trainer, data)  # fails in the background as the program ends
+"""
+)
+
+
+@pytest.mark.slow
+def test_a_failed_save_is_named_by_the_next_save_and_the_program_fails(tmp_path) -> None:
+    """The next save raised Orbax's own `ValueError: OUT_OF_RANGE`, and a program whose
+    last save failed as it ended exited with status 0."""
+    script = tmp_path / "fail.py"
+    script.write_text(FAILED_THEN_SAVED)
+    done = launch.run([sys.executable, str(script), str(tmp_path / "run")], check=False)
+    assert "SaveError: the save of step 2 failed while writing" in done.text, done.text
+    assert "nnxscale: the save of step 4 failed while writing" in done.text, done.text
+    assert done.returncodes == [1]
+    assert restore(tmp_path / "run").step_count() == 1
+
+
 X = np.random.default_rng(0).normal(size=(16, 8)).astype(np.float32)
 
 

@@ -87,20 +87,25 @@ MONITORING_TOOL = 4
 and 5 are the debugger's, coverage's, the profiler's and the optimizer's)."""
 
 
-def _close_open() -> None:
-    """Close every directory left open: its saves in flight are finished, not lost."""
+def _close_open() -> bool:
+    """Close every directory left open: its saves in flight are finished, not lost; whether
+    every one of them was (a failed save is printed)."""
+    saved = True
     for opened in list(_OPEN):
         if not opened.closed:
             try:
                 opened.close()
             except SaveError as error:
                 print(f"nnxscale: {error}", file=sys.stderr)
+                saved = False
+    return saved
 
 
 @functools.cache
 def finish_at_program_end() -> bool:
     """Close the open directories when the script's main module ends, normally, by `sys.exit`
-    or by an exception; whether the script's main module was found.
+    or by an exception; whether the script's main module was found. A script that returns
+    normally while a save fails exits with status 1.
 
     Since Python 3.12 no thread can start once the interpreter begins to shut down, before
     `atexit` and `threading`'s own exit hooks run, and Orbax starts threads to finish a save:
@@ -118,13 +123,17 @@ def finish_at_program_end() -> bool:
     if main is None or monitoring.get_tool(MONITORING_TOOL) is not None:
         return False
 
-    def ended(code: types.CodeType, *_: object) -> None:
+    def returned(code: types.CodeType, *_: object) -> None:
+        if code is main and not _close_open():
+            raise SystemExit(1)  # a program whose last save failed does not end well
+
+    def unwound(code: types.CodeType, *_: object) -> None:
         if code is main:
             _close_open()
 
     monitoring.use_tool_id(MONITORING_TOOL, "nnxscale checkpoints")
-    monitoring.register_callback(MONITORING_TOOL, monitoring.events.PY_RETURN, ended)
-    monitoring.register_callback(MONITORING_TOOL, monitoring.events.PY_UNWIND, ended)
+    monitoring.register_callback(MONITORING_TOOL, monitoring.events.PY_RETURN, returned)
+    monitoring.register_callback(MONITORING_TOOL, monitoring.events.PY_UNWIND, unwound)
     monitoring.set_local_events(MONITORING_TOOL, main, monitoring.events.PY_RETURN)
     monitoring.set_events(MONITORING_TOOL, monitoring.events.PY_UNWIND)
     return True
@@ -193,7 +202,8 @@ class Checkpoints(Restorer):
             )
         trainer.check_state()
         self._check_held()
-        start = time.perf_counter()
+        start = time.perf_counter()  # waiting for the save before counts as blocked
+        self.wait()  # the save before, if it failed, raises SaveError here, naming it
         step = trainer.step_count()
         self._make_room(step, trainer.run, overwrite)
         state = trainer.state  # layers held in rounds (a pipeline) saved as one stack
