@@ -51,6 +51,8 @@ def test_a_batch_the_data_axis_cannot_split(batches: Batches) -> None:
     odd = Batches(batches.tokens, batch_size=12, length=12)
     with pytest.raises(ValueError, match="cannot be split"):
         odd(0, NamedSharding(mesh, P("data", None)))
+    with pytest.raises(ValueError, match="cannot be split"):  # was JAX's IndivisibleError
+        odd.local_rows(NamedSharding(mesh, P("data", None)))
 
 
 def test_too_short_a_corpus() -> None:

@@ -93,6 +93,7 @@ class Batches:
     def local_rows(self, sharding: NamedSharding) -> tuple[int, int]:
         """The rows start:stop of every batch that this process's devices hold."""
         shape = (self.batch_size, self.length + 1)
+        check_batch_splits(self.batch_size, sharding)
         indices = sharding.addressable_devices_indices_map(shape).values()
         bounds = [index[0].indices(self.batch_size)[:2] for index in indices]
         return min(s for s, _ in bounds), max(e for _, e in bounds)
