@@ -1,5 +1,32 @@
 """Nothing lost, nothing silently wrong: every fault a user can meet on the public API ends in
-an error that names it and the fix, or in the right fallback, and never in wrong values."""
+an error that names it and the fix, or in the right fallback, and never in wrong values.
+
+The second round of fault cases (issue 53): what each did before -> what it does now, and
+where it is tested (this module unless named). "open" cases still do what they did.
+
+- agreement at learning rate 0, below 0, NaN, steps=0: passed a wrong run -> refused first
+  (test_agree.py); at 1e30, NaN losses reported ok -> refused (test_agree.py)
+- lock file deleted under a live writer: a second writer saved too -> the first refused
+- checksums or evaluate of a state read before train(): SIGSEGV -> ValueError naming donation
+- NNXSCALE_DEVICES=1000000: crashed after 40 s -> refused (test_devices.py)
+- CLI --save-every 0, --rules XYZ, --config not JSON or an invalid Config, --compiler-options
+  not JSON, collective outside a launcher: tracebacks -> usage errors
+- CLI --batch-size 3 on 2 devices: IndivisibleError -> named (test_data.py)
+- step_cost and ledger with batch -16 or seq 0: negative bytes -> refused
+- plan(devices=2**40): hung -> refused at once
+- profiles.join of another module's trace: its costs -> refused (test_profiles.py); an empty,
+  cut-short, non-gzip or foreign trace file: raw decode errors -> named (test_profiles.py)
+- launch(timeout=-5), run(...).wait(0): workers left running -> refused, none left
+  (test_launch.py)
+- a schedule that decays past 0 after step 0: trained uphill -> refused at creation
+- the save after a failed background save: ValueError OUT_OF_RANGE -> SaveError naming it; a
+  script whose last save fails as it ends: exit status 0 -> 1
+- gs:// paths: refused -> written (test_buckets.py); s3:// refused by name (test_checkpoint.py)
+- open: a failing host callback under auto-FSDP (SIGABRT) or DP (later calls re-raise); a
+  restore under another optimizer or its settings (accepted); a module whose dropout or dtype
+  differs from its config (trains its own); a coordinator port taken between check and start
+  (SIGSEGV through start())
+"""
 
 from __future__ import annotations
 
