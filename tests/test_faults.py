@@ -50,6 +50,7 @@ import pytest
 import nnxscale as nx
 from nnxscale import launch
 from nnxscale.checkpoint import (
+    CheckpointMismatchError,
     Checkpoints,
     CorruptCheckpointError,
     SaveError,
@@ -336,6 +337,27 @@ def test_a_writer_whose_lock_file_was_removed_saves_nothing(tmp_path) -> None:
     second.close()
     first.close()
     assert Checkpoints(directory, create=False).steps() == [0]  # the second writer's save
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "tx",
+    [optax.adam(3e-3), optax.adamw(3e-3, weight_decay=0.5), optax.adamw(10.0)],
+    ids=["adam", "weight decay 0.5", "learning rate 10"],
+)
+def test_a_restore_under_another_optimizer_is_refused_unless_asked(saved, tx) -> None:
+    """An AdamW run restored silently under each of these: the moments fit any of them."""
+    checkpoints = Checkpoints(saved["dir"], create=False)
+    with pytest.raises(CheckpointMismatchError, match=r"another optimizer, or other settings"):
+        checkpoints.restore(Transformer.from_config, tx, DP, MESH)
+    asked = checkpoints.restore(Transformer.from_config, tx, DP, MESH, other_optimizer=True)
+    assert checksums(asked.state) == saved["sums"][3]
+    trainer = trainer_for(DP, 8, tx=tx)
+    with pytest.raises(CheckpointMismatchError, match=r"other_optimizer=True"):
+        checkpoints.restore_into(trainer)
+    checkpoints.restore_into(trainer, other_optimizer=True)
+    assert checksums(trainer.state) == saved["sums"][3]
+    assert restore(saved["dir"]).step_count() == 3  # the run's own optimizer restores
 
 
 SAVED_ONCE = """

@@ -37,7 +37,7 @@ from nnxscale.core.trees import is_key
 from nnxscale.model.transformer import Config
 from nnxscale.runtime.environment import versions
 from nnxscale.train.data import Batches
-from nnxscale.train.state import TrainOptions
+from nnxscale.train.state import TrainOptions, describe_optimizer
 from nnxscale.train.trainer import Trainer
 
 FALL_BACK = "restore() without a step falls back to the newest step that verifies."
@@ -68,6 +68,8 @@ class Record:
     """Path -> [shape, dtype, checksum] of every array saved (`integrity.checksums`)."""
     checksum_scheme: str | None = None
     """How the checksums were computed (`integrity.SCHEME`)."""
+    optimizer: dict[str, list] | None = None
+    """What tells the optimizer that trained apart from others (`describe_optimizer`)."""
 
     @property
     def devices(self) -> int:
@@ -178,6 +180,7 @@ def record_of(trainer: Trainer, data: Batches | None, saved: Any) -> Record:
         options=trainer.options.recorded(),
         run=trainer.run,
         checksum_scheme=SCHEME,
+        optimizer=describe_optimizer(state.optimizer.tx),
         arrays={
             path: [list(shape), dtype, sums[path]]
             for path, (shape, dtype) in array_index(saved).items()

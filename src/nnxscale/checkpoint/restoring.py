@@ -10,6 +10,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 import jax
+import numpy as np
 import optax
 import orbax.checkpoint as ocp
 from flax import nnx
@@ -41,7 +42,13 @@ from nnxscale.placement.layout import Layout, resolve
 from nnxscale.placement.rounds import group_layers, held_in, layer_rounds
 from nnxscale.placement.rules import Rules
 from nnxscale.train.data import Batches
-from nnxscale.train.state import TrainOptions, TrainState, check_optimizer
+from nnxscale.train.state import (
+    DESCRIBED_STEPS,
+    TrainOptions,
+    TrainState,
+    check_optimizer,
+    describe_optimizer,
+)
 from nnxscale.train.trainer import Trainer
 
 T = TypeVar("T")
@@ -73,6 +80,29 @@ def check_target(model: object, rules: object, mesh: object) -> None:
         raise TypeError(f"rules: expected a rule set such as nx.FSDP, got {rules!r}")
     if not isinstance(mesh, Mesh):
         raise TypeError(f"mesh: expected a jax.sharding.Mesh (nx.strategy_mesh), got {mesh!r}")
+
+
+def check_same_optimizer(record: Record, tx: optax.GradientTransformation, other: bool) -> None:
+    """Refuse to continue a run under an optimizer other than the one its record describes
+    (`describe_optimizer`), unless `other`: optax keeps a learning rate or a weight decay in
+    closures, so Adam's moments restore as well into AdamW, or at another rate, and the run
+    would go on changed without a word. Updates compare within 1e-5 of each other: float32
+    arithmetic on another backend moves them by ulps (1e-7), another setting by far more."""
+    saved = record.optimizer
+    if saved is None or other:
+        return
+    found = describe_optimizer(tx)
+    same = found["state"] == saved["state"] and len(found["updates"]) == len(saved["updates"])
+    if same and np.allclose(found["updates"], saved["updates"], rtol=1e-5, atol=0):
+        return
+    raise CheckpointMismatchError(
+        f"step {record.step} was saved by an optimizer whose state holds {saved['state']} "
+        f"and whose updates of a weight of 0.5 with gradient 1 at steps {DESCRIBED_STEPS} "
+        f"are {saved['updates']}; this one holds {found['state']} and gives "
+        f"{found['updates']}: another optimizer, or other settings (learning rate, schedule, "
+        "weight decay, moment rates). Restore with the optimizer the run trained with, or "
+        "pass other_optimizer=True to go on under this one."
+    )
 
 
 def restore_target(values: nnx.State, shardings: Any) -> nnx.State:
@@ -201,6 +231,7 @@ class Restorer(Stored):
         *,
         step: int | None = None,
         data: Batches | None = None,
+        other_optimizer: bool = False,
         **changes: Any,
     ) -> Trainer:
         """A trainer resumed from the checkpoint of `step`, laid out by `rules` on `mesh`.
@@ -216,7 +247,8 @@ class Restorer(Stored):
         be given again (functions are not recorded). With `data`, check that it is the data
         the run was trained on, so training continues with the very next batch. Every device
         reads only its shards, straight from the files; the resumed trainer continues the
-        saved run (`Trainer.run`).
+        saved run (`Trainer.run`). An optimizer other than the run's, or with other settings,
+        is refused (CheckpointMismatchError) unless `other_optimizer=True`.
         """
 
         check_optimizer(tx)
@@ -229,7 +261,8 @@ class Restorer(Stored):
             trained = restored_options(record, options, changes)
             graphdef, values = nnx.split(abstract(lambda: state_to_restore(record, model, tx)))
             layout = resolve(values, rules, mesh)
-            state = self.restore_state(values, layout, at)
+            state = self.restore_state(values, layout, at)  # arrays that differ named first
+            check_same_optimizer(record, tx, other_optimizer)
             return Trainer.from_layout(
                 graphdef, state, layout, trained, config=record.config, run=record.run
             )
@@ -237,16 +270,25 @@ class Restorer(Stored):
         return self._newest_verified(step, restore_step)
 
     def restore_into(
-        self, trainer: Trainer, step: int | None = None, data: Batches | None = None
+        self,
+        trainer: Trainer,
+        step: int | None = None,
+        data: Batches | None = None,
+        *,
+        other_optimizer: bool = False,
     ) -> Trainer:
         """Put the checkpoint of `step` (default: the newest that verifies) into `trainer`'s
-        state, in its layout; reuses its step, and continues the saved run."""
+        state, in its layout; reuses its step, and continues the saved run. A trainer whose
+        optimizer differs from the run's is refused unless `other_optimizer=True`."""
+        tx = nnx.merge(trainer.graphdef, trainer.state).optimizer.tx
 
         def restore_step(at: int) -> Trainer:
             record = self.record(at)
             if data is not None:
                 check_data(record, data)
-            trainer.state = self.restore_state(trainer.state, trainer.layout, at)
+            restored = self.restore_state(trainer.state, trainer.layout, at)
+            check_same_optimizer(record, tx, other_optimizer)
+            trainer.state = restored
             trainer.run = record.run or trainer.run
             return trainer
 

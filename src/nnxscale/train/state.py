@@ -90,6 +90,21 @@ PROBED_STEPS = (0, 1, 10, 100, 1_000, 10_000, 100_000, 1_000_000)
 step count, read by setting the optimizer state's counts, so each costs one update."""
 
 
+def _updates(tx: optax.GradientTransformation, weight: float, steps: tuple[int, ...]):
+    """(step, update) of a weight of `weight` whose gradient is 1, with the optimizer state's
+    step counts set to each of `steps` in turn (a schedule reads its step from them); only the
+    first step for an optimizer that keeps no count, whose every step updates alike."""
+    params, grad = {"w": jnp.full((), weight, jnp.float32)}, {"w": jnp.ones((), jnp.float32)}
+    state = tx.init(params)
+    for step in steps:
+        try:
+            at = optax.tree_utils.tree_set(state, count=jnp.asarray(step, jnp.int32))
+        except KeyError:
+            yield steps[0], float(tx.update(grad, state, params)[0]["w"])
+            return
+        yield step, float(tx.update(grad, at, params)[0]["w"])
+
+
 def check_optimizer(tx: optax.GradientTransformation) -> None:
     """Raise a clear error when `tx`'s update of a weight with gradient 1 is not finite, or
     not a descent (a NaN, infinite or negative learning rate), at any of `PROBED_STEPS`: a
@@ -102,14 +117,7 @@ def check_optimizer(tx: optax.GradientTransformation) -> None:
             f"expected an optax optimizer (optax.GradientTransformation), got {tx!r}: pass one "
             "such as nx.adamw() or optax.adamw(3e-3)."
         )
-    weight, grad = {"w": jnp.zeros((), jnp.float32)}, {"w": jnp.ones((), jnp.float32)}
-    state = tx.init(weight)
-    for step in PROBED_STEPS:
-        try:
-            at = optax.tree_utils.tree_set(state, count=jnp.asarray(step, jnp.int32))
-        except KeyError:  # no step count: every step updates alike
-            at, step = state, 0
-        update = float(tx.update(grad, at, weight)[0]["w"])
+    for step, update in _updates(tx, 0.0, PROBED_STEPS):
         if not math.isfinite(update) or update > 0:
             raise ValueError(
                 f"the optimizer's update at step {step:,} of a weight whose gradient is 1 is "
@@ -117,8 +125,28 @@ def check_optimizer(tx: optax.GradientTransformation) -> None:
                 "down. Check the learning rate and its schedule (one that decays past 0 turns "
                 "negative), which the optimizer was built with."
             )
-        if at is state:
-            return
+
+
+DESCRIBED_STEPS = (0, 10, 1_000)
+"""The steps at which `describe_optimizer` reads an optimizer's updates."""
+
+
+def describe_optimizer(tx: optax.GradientTransformation) -> dict[str, list]:
+    """What tells two optimizers apart without their code (optax keeps its settings in
+    closures): the kinds of state it keeps, in order (Adam's moments, a schedule's count), and
+    its updates of a weight of 0.5 whose gradient is 1 at `DESCRIBED_STEPS`, in which the
+    learning rate and its schedule, the weight decay and the moment rates all show."""
+    kinds: list[str] = []
+
+    def walk(node: Any) -> None:
+        if isinstance(node, tuple) and hasattr(node, "_fields"):
+            kinds.append(type(node).__name__)
+        if isinstance(node, tuple | list):
+            for child in node:
+                walk(child)
+
+    walk(tx.init({"w": jnp.zeros((), jnp.float32)}))
+    return {"state": kinds, "updates": [u for _, u in _updates(tx, 0.5, DESCRIBED_STEPS)]}
 
 
 LEARNING_RATE = 3e-3
