@@ -22,10 +22,11 @@ where it is tested (this module unless named). "open" cases still do what they d
 - the save after a failed background save: ValueError OUT_OF_RANGE -> SaveError naming it; a
   script whose last save fails as it ends: exit status 0 -> 1
 - gs:// paths: refused -> written (test_buckets.py); s3:// refused by name (test_checkpoint.py)
+- a restore under adam, another weight decay or learning rate: accepted silently -> refused
+  unless other_optimizer=True
 - open: a failing host callback under auto-FSDP (SIGABRT) or DP (later calls re-raise); a
-  restore under another optimizer or its settings (accepted); a module whose dropout or dtype
-  differs from its config (trains its own); a coordinator port taken between check and start
-  (SIGSEGV through start())
+  module whose dropout or dtype differs from its config (trains its own); a coordinator port
+  taken between check and start (SIGSEGV through start())
 """
 
 from __future__ import annotations
