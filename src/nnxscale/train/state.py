@@ -7,7 +7,7 @@ import dataclasses
 import json
 import math
 import uuid
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any, NamedTuple
 
 import jax
@@ -90,7 +90,9 @@ PROBED_STEPS = (0, 1, 10, 100, 1_000, 10_000, 100_000, 1_000_000)
 step count, read by setting the optimizer state's counts, so each costs one update."""
 
 
-def _updates(tx: optax.GradientTransformation, weight: float, steps: tuple[int, ...]):
+def _updates(
+    tx: optax.GradientTransformation, weight: float, steps: tuple[int, ...]
+) -> Iterator[tuple[int, float]]:
     """(step, update) of a weight of `weight` whose gradient is 1, with the optimizer state's
     step counts set to each of `steps` in turn (a schedule reads its step from them); only the
     first step for an optimizer that keeps no count, whose every step updates alike."""
