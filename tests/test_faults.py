@@ -24,9 +24,10 @@ where it is tested (this module unless named). "open" cases still do what they d
 - gs:// paths: refused -> written (test_buckets.py); s3:// refused by name (test_checkpoint.py)
 - a restore under adam, another weight decay or learning rate: accepted silently -> refused
   unless other_optimizer=True
+- a restore whose model function ignores the recorded config (another dropout or dtype): it
+  trained its own while the record kept the old -> refused unless other_config=True
 - open: a failing host callback under auto-FSDP (SIGABRT) or DP (later calls re-raise); a
-  module whose dropout or dtype differs from its config (trains its own); a coordinator port
-  taken between check and start (SIGSEGV through start())
+  coordinator port taken between check and start (SIGSEGV through start())
 """
 
 from __future__ import annotations
@@ -359,6 +360,25 @@ def test_a_restore_under_another_optimizer_is_refused_unless_asked(saved, tx) ->
     checkpoints.restore_into(trainer, other_optimizer=True)
     assert checksums(trainer.state) == saved["sums"][3]
     assert restore(saved["dir"]).step_count() == 3  # the run's own optimizer restores
+
+
+@pytest.mark.slow
+def test_a_model_built_with_other_settings_is_refused_unless_asked(saved) -> None:
+    """A function that ignores the recorded configuration trained with its own dropout while
+    the trainer's config, which the next checkpoint records, kept the saved one."""
+    checkpoints = Checkpoints(saved["dir"], create=False)
+
+    def own(config: dict) -> Transformer:
+        return Transformer.from_config({**config, "dropout": 0.25, "compute_dtype": "bfloat16"})
+
+    with pytest.raises(CheckpointMismatchError) as raised:
+        checkpoints.restore(own, adamw(), DP, MESH)
+    assert "compute_dtype='bfloat16' (recorded 'float32'), dropout=0.25 (recorded 0.0)" in str(
+        raised.value
+    )
+    asked = checkpoints.restore(own, adamw(), DP, MESH, other_config=True)
+    assert asked.config["dropout"] == 0.25 and asked.config["compute_dtype"] == "bfloat16"
+    assert checksums(asked.state) == saved["sums"][3]
 
 
 SAVED_ONCE = """

@@ -5,6 +5,7 @@ that verifies."""
 from __future__ import annotations
 
 import itertools
+import json
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
@@ -48,6 +49,7 @@ from nnxscale.train.state import (
     TrainState,
     check_optimizer,
     describe_optimizer,
+    model_config,
 )
 from nnxscale.train.trainer import Trainer
 
@@ -80,6 +82,30 @@ def check_target(model: object, rules: object, mesh: object) -> None:
         raise TypeError(f"rules: expected a rule set such as nx.FSDP, got {rules!r}")
     if not isinstance(mesh, Mesh):
         raise TypeError(f"mesh: expected a jax.sharding.Mesh (nx.strategy_mesh), got {mesh!r}")
+
+
+def trained_config(record: Record, model: nnx.Module, other: bool) -> dict[str, Any] | None:
+    """The configuration the restored run trains with and records: the recorded one, which
+    `model` must hold (its `cfg`), unless `other`, when it is the model's own. A function
+    that builds its model ignoring the configuration it is given would otherwise train
+    (another dropout, another dtype) while the next checkpoint records the old one."""
+    built = model_config(model)
+    if built is None or record.config is None:
+        return record.config
+    built = json.loads(json.dumps(built))  # tuples as lists, as the record holds them
+    if built == record.config or other:
+        return built
+    changed = [
+        f"{name}={built.get(name)!r} (recorded {record.config.get(name)!r})"
+        for name in sorted(set(built) | set(record.config))
+        if built.get(name) != record.config.get(name)
+    ]
+    raise CheckpointMismatchError(
+        f"the model built to restore step {record.step} holds {', '.join(changed)}: it would "
+        "train with its own settings while the run's record kept the old ones. Build it from "
+        "the recorded configuration (model=Transformer.from_config, or your own from_config), "
+        "or pass other_config=True to train on with this one (the next checkpoints record it)."
+    )
 
 
 def check_same_optimizer(record: Record, tx: optax.GradientTransformation, other: bool) -> None:
@@ -232,6 +258,7 @@ class Restorer(Stored):
         step: int | None = None,
         data: Batches | None = None,
         other_optimizer: bool = False,
+        other_config: bool = False,
         **changes: Any,
     ) -> Trainer:
         """A trainer resumed from the checkpoint of `step`, laid out by `rules` on `mesh`.
@@ -248,7 +275,9 @@ class Restorer(Stored):
         the run was trained on, so training continues with the very next batch. Every device
         reads only its shards, straight from the files; the resumed trainer continues the
         saved run (`Trainer.run`). An optimizer other than the run's, or with other settings,
-        is refused (CheckpointMismatchError) unless `other_optimizer=True`.
+        is refused (CheckpointMismatchError) unless `other_optimizer=True`; so is a `model`
+        whose configuration differs from the recorded one, unless `other_config=True` (the
+        trainer then records the model's own).
         """
 
         check_optimizer(tx)
@@ -263,8 +292,9 @@ class Restorer(Stored):
             layout = resolve(values, rules, mesh)
             state = self.restore_state(values, layout, at)  # arrays that differ named first
             check_same_optimizer(record, tx, other_optimizer)
+            config = trained_config(record, nnx.merge(graphdef, values).model, other_config)
             return Trainer.from_layout(
-                graphdef, state, layout, trained, config=record.config, run=record.run
+                graphdef, state, layout, trained, config=config, run=record.run
             )
 
         return self._newest_verified(step, restore_step)
