@@ -19,7 +19,6 @@ import time
 import uuid
 import warnings
 from collections.abc import Callable, Iterator
-from pathlib import Path
 
 import fsspec
 import pytest
@@ -234,4 +233,18 @@ except buckets.ObjectStorageError as error:
     assert 3 <= float(seconds) < 4, ran.output
     assert "reaching gs://run got no answer in 3 s" in message
     assert time.perf_counter() - start < 60  # the retrying thread does not hold the exit
-    assert not Path(tmp_path / "gs:").exists()
+
+
+@pytest.mark.slow
+def test_a_reader_sees_steps_another_process_wrote_since(saved, gcs) -> None:
+    """gcsfs caches listings forever: a reader that listed once went on missing new steps.
+    Another process's writes are copies made through another file system instance here."""
+    url = gcs("reader")
+    fs, _ = fsspec.core.url_to_fs(url)
+    source, target = saved["url"].removeprefix("gs://"), url.removeprefix("gs://")
+    fs.copy(f"{source}/1", f"{target}/1", recursive=True)
+    fs.copy(f"{source}/nnxscale-run.json", f"{target}/nnxscale-run.json")
+    reader = Checkpoints(url, create=False)
+    assert reader.steps() == [1]
+    fs.copy(f"{source}/2", f"{target}/2", recursive=True)
+    assert reader.steps() == [1, 2]

@@ -20,7 +20,6 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-import fsspec
 from etils import epath
 
 from nnxscale.checkpoint.errors import NoCheckpointError
@@ -65,10 +64,12 @@ def is_url(directory: Location) -> bool:
 
 
 def _filesystem(directory: Location) -> tuple[Any, str]:
-    """fsspec's file system for `directory` (gcsfs) and the path within it, listings fresh:
-    gcsfs caches listings forever by default, and other processes write here too."""
+    """fsspec's file system for `directory` (gcsfs), the very instance Orbax's `epath` uses,
+    and the path within it, its listings made fresh: gcsfs caches listings forever by
+    default, and other processes write here too."""
     try:
-        fs, path = fsspec.core.url_to_fs(str(directory))
+        fs = epath.backend.fsspec_backend.fs(str(directory))
+        path = str(directory).removeprefix("gs://")
     except ImportError as error:
         raise ImportError(
             f"{directory} is on Google Cloud Storage, which Orbax reaches through gcsfs: "
@@ -157,6 +158,13 @@ def partial_steps(directory: epath.Path) -> list[str]:
     names = [p.rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(path, detail=False)]
     steps = [name for name in names if name.isdigit()]
     return sorted(name for name in steps if not fs.exists(f"{path}/{name}/{COMMIT}"))
+
+
+def refresh(directory: Location) -> None:
+    """Forget the cached listings of `directory`'s file system, so that steps other processes
+    wrote since are seen (object storage only; a file system lists afresh every time)."""
+    if is_url(directory):
+        _filesystem(directory)
 
 
 def kvstore_url(root: Location) -> str:

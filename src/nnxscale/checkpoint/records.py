@@ -17,7 +17,13 @@ import orbax.checkpoint as ocp
 import tensorstore as ts
 from flax import nnx
 
-from nnxscale.checkpoint.buckets import files_under, is_url, kvstore_url, partial_steps
+from nnxscale.checkpoint.buckets import (
+    files_under,
+    is_url,
+    kvstore_url,
+    partial_steps,
+    refresh,
+)
 from nnxscale.checkpoint.errors import (
     CheckpointMismatchError,
     CorruptCheckpointError,
@@ -308,6 +314,7 @@ class Stored:
 
     def steps(self) -> list[int]:
         """Steps of the complete checkpoints, oldest first (unfinished saves are not steps)."""
+        refresh(self.directory)
         self.manager.reload()
         return sorted(self.manager.all_steps())
 

@@ -233,7 +233,7 @@ class Checkpoints(Restorer):
         if self.lock is not None:
             try:
                 self.lock.check()
-            except DirectoryLockedError as lost:
+            except Exception as lost:  # any failure, told to every process, not one alone
                 error = lost
         if jax.process_count() > 1:
             lost = bool(multihost_utils.broadcast_one_to_all(np.int32(error is not None)))
