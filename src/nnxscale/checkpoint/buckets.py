@@ -17,6 +17,7 @@ import socket
 import threading
 import time
 import uuid
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -218,11 +219,12 @@ class MarkerLock:
     def _read(self) -> dict[str, Any] | None:
         self.fs.invalidate_cache()
         try:
-            return json.loads(self.fs.cat_file(self.path))
+            found = json.loads(self.fs.cat_file(self.path))
         except FileNotFoundError:
             return None
         except ValueError:
-            return {"writer": "unreadable marker"}
+            found = None
+        return found if isinstance(found, dict) else {"writer": "an unreadable marker"}
 
     def _write(self, replacing: dict[str, Any] | None) -> None:
         """Create the marker, only if absent unless it replaces a dead writer's."""
@@ -254,9 +256,18 @@ class MarkerLock:
             )
 
     def release(self) -> None:
-        """Let another writer take the directory: delete the marker if it is still this one's."""
-        if (self._read() or {}).get("writer") == self.holder["writer"]:
-            self.fs.rm_file(self.path)
+        """Let another writer take the directory: delete the marker if it is still this one's.
+        A marker that cannot be deleted is left, with a warning, not raised over what the
+        close that releases it reports (a dead writer's marker on this host is taken over)."""
+        try:
+            if (self._read() or {}).get("writer") == self.holder["writer"]:
+                self.fs.rm_file(self.path)
+        except Exception as error:  # the storage's own errors, of any kind
+            warnings.warn(
+                f"the writer marker gs://{self.path} could not be deleted ({error}): delete it "
+                "before another host writes to this directory.",
+                stacklevel=2,
+            )
 
 
 def _dead(holder: dict[str, Any]) -> bool:

@@ -93,13 +93,16 @@ def trained_config(record: Record, model: nnx.Module, other: bool) -> dict[str, 
     if built is None or record.config is None:
         return record.config
     built = json.loads(json.dumps(built))  # tuples as lists, as the record holds them
-    if built == record.config or other:
-        return built
+    common = sorted(set(built) & set(record.config))  # a field added since, or an opaque record
     changed = [
-        f"{name}={built.get(name)!r} (recorded {record.config.get(name)!r})"
-        for name in sorted(set(built) | set(record.config))
-        if built.get(name) != record.config.get(name)
+        f"{name}={built[name]!r} (recorded {record.config[name]!r})"
+        for name in common
+        if built[name] != record.config[name]
     ]
+    if not changed:
+        return record.config
+    if other:
+        return built
     raise CheckpointMismatchError(
         f"the model built to restore step {record.step} holds {', '.join(changed)}: it would "
         "train with its own settings while the run's record kept the old ones. Build it from "
