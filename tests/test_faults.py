@@ -830,9 +830,15 @@ def test_an_optimizer_that_makes_a_non_finite_update_is_skipped_at_that_step() -
     def nan_from_step_1(count):
         return jnp.where(count >= 1, jnp.nan, 1e-3)
 
-    scheduled = trainer_for(DP, 8, tx=optax.adamw(nan_from_step_1), nonfinite="raise")
-    scheduled.train(BATCHES, 1)
-    with pytest.raises(NonFiniteError, match="step 1: "):
+    with pytest.raises(ValueError, match="update at step 1 of a weight"):  # probed at creation
+        trainer_for(DP, 8, tx=optax.adamw(nan_from_step_1))
+
+    def nan_at_step_2(count):  # a step the creation's probe does not reach
+        return jnp.where(count == 2, jnp.nan, 1e-3)
+
+    scheduled = trainer_for(DP, 8, tx=optax.adamw(nan_at_step_2), nonfinite="raise")
+    scheduled.train(BATCHES, 2)
+    with pytest.raises(NonFiniteError, match="step 2: "):
         scheduled.train(BATCHES, 1)
     assert np.isfinite(np.asarray(scheduled.state["model"]["embed"][...])).all()
 
