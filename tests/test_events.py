@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 
@@ -79,3 +82,31 @@ def test_losses_and_checksums_round_trip_exactly(capsys) -> None:
     (sums,) = events.read(out, Checksums)
     assert sums == Checksums(process=0, step=4, sums={"model/embed": "00ff"})
     assert repr(sums) == "Checksums(process=0, step=4, sums=<1 arrays>)"
+
+
+def test_no_event_is_lost_to_a_thread_logging_on_the_same_pipe() -> None:
+    """Under PYTHONUNBUFFERED (the launcher's), `print` wrote an event and its newline apart;
+    a log line another thread wrote between them joined the event's line, which then read as
+    no event (a killed run's last losses were missing)."""
+    code = """
+import sys, threading
+from nnxscale.runtime import events
+done = threading.Event()
+def log():
+    while not done.is_set():
+        sys.stderr.write("W orbax: saving in the background\\n")
+threading.Thread(target=log, daemon=True).start()
+for step in range(3000):
+    events.emit(events.Step(process=0, step=step, loss=1.0))
+done.set()
+"""
+    ran = subprocess.run(
+        [sys.executable, "-c", code],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        timeout=120,
+        check=True,
+    )
+    assert [e.step for e in events.read(ran.stdout, Step)] == list(range(3000))

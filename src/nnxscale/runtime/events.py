@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+import sys
 from collections.abc import Iterable
 from typing import Any, ClassVar
 
@@ -186,8 +187,13 @@ KINDS: dict[str, type[Event]] = {
 
 
 def emit(event: Event) -> None:
-    """Print `event` as one JSON line, at once (a launcher reads it while the program runs)."""
-    print(event.line(), flush=True)
+    """Print `event` as one JSON line, at once (a launcher reads it while the program runs).
+
+    The line and its end go in one write: a launcher sets PYTHONUNBUFFERED, where `print`
+    writes the text and the newline apart, and a log line from another thread (Orbax's saving
+    thread) that lands between them would join the event's line and hide it."""
+    sys.stdout.write(event.line() + "\n")
+    sys.stdout.flush()
 
 
 def parse(line: str) -> Event | None:
