@@ -5,7 +5,8 @@
 its own and reports checksums. A new process is the only way to get another device count:
 JAX fixes it when it starts. `run` starts one through the launcher (`nnxscale.launch`) and
 returns its output; `crash_during_save` runs a training run that kills itself while it
-writes a checkpoint (`start_crash_during_save` returns while it trains).
+writes a checkpoint (`start_crash_during_save` returns while it trains); `crossing` launches
+the program of that name as processes and returns what crosses them.
 
 What a command reports, it prints as typed events (`nnxscale.events`), one JSON line each;
 `nnxscale.events.read` turns the output back into them:
@@ -385,3 +386,15 @@ def crash_during_save(directory: str | Path, **options: Any) -> Crash:
     """Train to `steps`, saving every `save_every`; SIGKILL the process as its last save starts
     (`start_crash_during_save` with the same options, waited for)."""
     return start_crash_during_save(directory, **options).result()
+
+
+def crossing(rules: str, processes: int = 2, devices: int = 4) -> events.Crossing:
+    """Launch `python -m nnxscale crossing` for rule set `rules` as `processes` processes of
+    `devices` devices each; process 0's report (every process reports the same program)."""
+    output = launch.launch(
+        [*PROGRAM, "crossing", "--rules", rules], processes, devices, timeout=240, echo=None
+    )
+    reports = events.read(output, events.Crossing)
+    if len(reports) != processes or any(r.moved != reports[0].moved for r in reports):
+        raise RuntimeError("the processes did not report one program:\n" + "\n".join(output))
+    return reports[0]
