@@ -26,8 +26,12 @@ where it is tested (this module unless named). "open" cases still do what they d
   unless other_optimizer=True
 - a restore whose model function ignores the recorded config (another dropout or dtype): it
   trained its own while the record kept the old -> refused unless other_config=True
-- open: a failing host callback under auto-FSDP (SIGABRT) or DP (later calls re-raise); a
-  coordinator port taken between check and start (SIGSEGV through start())
+- a coordinator port taken between the check and the coordinator's start: a raw traceback ->
+  LaunchError naming the taken port
+- open: a host callback that raises on one device of a step with collectives (DP or
+  FSDP on 8 devices): the other devices wait in the next all-reduce until XLA's CPU runtime
+  aborts the process (SIGABRT, "Termination timeout ... of 40 seconds exceeded"), which
+  nothing inside the process can catch
 """
 
 from __future__ import annotations
@@ -668,6 +672,21 @@ def test_a_busy_port_is_refused_or_retried(tmp_path, monkeypatch) -> None:
         command = [sys.executable, "-m", "nnxscale", "collective"]
         output = launch.launch(command, 2, 1, echo=None, timeout=120)
     assert any('"event": "hello"' in line for line in output)
+
+
+@pytest.mark.slow
+def test_a_port_taken_after_the_check_is_named_by_the_run_it_stopped() -> None:
+    """`start` on a given port that another program binds before the coordinator does (the
+    workers take a second to import JAX): the run ends with a LaunchError that says so."""
+    port = free()
+    run = launch.start([sys.executable, "-m", "nnxscale", "collective"], 2, 1, port=port, echo=None)
+    with socket.socket() as taker:
+        taker.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        taker.bind(("localhost", port))
+        taker.listen()
+        with pytest.raises(launch.LaunchError, match=r"could not listen on its port \(process 0"):
+            run.wait(120)
+    assert all(code is not None for code in run.returncodes)  # none left running
 
 
 def free() -> int:

@@ -191,6 +191,12 @@ class Run:
                 time.sleep(0.05)
         finally:
             self.stop()
+        if failure and self.port_taken():
+            failure = (
+                f"the coordinator could not listen on its port ({failure}): another program "
+                "took it as the run started. Pass another port, or none to let the launcher "
+                "choose a free one and retry"
+            )
         if failure:
             raise LaunchError(
                 f"{failure}; every other worker was stopped. Last output:\n"
