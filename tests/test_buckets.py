@@ -12,9 +12,15 @@ tests check is the read-back and the check before each save, which hold without 
 
 from __future__ import annotations
 
+import http.client
+import http.server
+import json
 import logging
 import os
+import re
 import socket
+import sys
+import threading
 import time
 import uuid
 import warnings
@@ -23,7 +29,7 @@ from collections.abc import Callable, Iterator
 import fsspec
 import pytest
 
-from nnxscale import cli
+from nnxscale import cli, launch
 from nnxscale.checkpoint import (
     Checkpoints,
     CorruptCheckpointError,
@@ -87,6 +93,57 @@ def gcs() -> Iterator[Callable[[str], str]]:
                 os.environ.pop(name, None)
             else:
                 os.environ[name] = value
+
+
+@pytest.fixture
+def refusing(gcs) -> Iterator[Callable[..., str]]:
+    """A proxy in front of the emulator that answers as GCS does to credentials without some
+    permission: HTTP 403 with GCS's JSON error for each request whose method and path match
+    one of the given (method, regex) pairs; every other request goes to the emulator. A
+    function that starts one and returns its endpoint."""
+    servers = []
+    target = os.environ["STORAGE_EMULATOR_HOST"].removeprefix("http://")
+
+    def start(*refused: tuple[str, str]) -> str:
+        class Proxy(http.server.BaseHTTPRequestHandler):
+            def log_message(self, *args) -> None:
+                pass
+
+            def handle_one(self) -> None:
+                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                if any(self.command == m and re.search(p, self.path) for m, p in refused):
+                    message = f"caller does not have permission for {self.command} {self.path}"
+                    reply = json.dumps({"error": {"code": 403, "message": message}}).encode()
+                    self.send_response(403)
+                    self.send_header("Content-Type", "application/json")
+                    self.send_header("Content-Length", str(len(reply)))
+                    self.end_headers()
+                    self.wfile.write(reply)
+                    return
+                upstream = http.client.HTTPConnection(target, timeout=30)
+                headers = {k: v for k, v in self.headers.items() if k.lower() != "host"}
+                upstream.request(self.command, self.path, body or None, headers)
+                answer = upstream.getresponse()
+                reply = answer.read()
+                self.send_response(answer.status)
+                for key, value in answer.getheaders():
+                    if key.lower() not in ("transfer-encoding", "connection", "content-length"):
+                        self.send_header(key, value)
+                self.send_header("Content-Length", str(len(reply)))
+                self.end_headers()
+                self.wfile.write(reply)
+                upstream.close()
+
+            do_GET = do_POST = do_PUT = do_DELETE = do_PATCH = handle_one
+
+        server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Proxy)
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        servers.append(server)
+        return f"http://127.0.0.1:{server.server_address[1]}"
+
+    yield start
+    for server in servers:
+        server.shutdown()
 
 
 def test_urls_stay_urls_and_local_paths_become_absolute(tmp_path, monkeypatch) -> None:
@@ -248,3 +305,124 @@ def test_a_reader_sees_steps_another_process_wrote_since(saved, gcs) -> None:
     assert reader.steps() == [1]
     fs.copy(f"{source}/2", f"{target}/2", recursive=True)
     assert reader.steps() == [1, 2]
+
+
+@pytest.mark.slow
+def test_a_process_that_cannot_open_the_bucket_stops_every_process_and_frees_the_marker(
+    gcs,
+) -> None:
+    """Process 1 of two cannot open the directory (its credentials file is missing) while
+    process 0 opens it and takes the marker: every process stops at once with an error, none
+    goes on alone into Orbax's barriers, and process 0 gives the marker back."""
+    url = gcs("apart")
+    code = f"""
+from nnxscale.runtime.launch import initialize
+initialize()
+import os, jax
+from nnxscale.checkpoint import Checkpoints
+if jax.process_index() == 1:
+    os.environ["GOOGLE_APPLICATION_CREDENTIALS"] = "/no/such/key.json"
+try:
+    Checkpoints({url!r})
+except Exception as error:
+    print("refused:", type(error).__name__, error)
+"""
+    start = time.perf_counter()
+    output = launch.launch([sys.executable, "-c", code], 2, 1, timeout=120, echo=None)
+    refused = [line for line in output if "refused:" in line]
+    assert len(refused) == 2, output
+    assert any("ObjectStorageError process 1 could not open gs://run/apart" in r for r in refused)
+    assert any("names /no/such/key.json" in r for r in refused)
+    assert time.perf_counter() - start < 60
+    fs, _ = fsspec.core.url_to_fs(url)
+    assert not fs.exists(f"{url}/{LOCK_FILE}")
+    Checkpoints(url).close()
+
+
+WRITES = [(method, r".") for method in ("POST", "PUT", "PATCH", "DELETE")]
+"""What credentials that may only read objects (roles/storage.objectViewer) are refused."""
+
+
+def _through(endpoint: str, code: str):
+    """Run `code` in a process whose GCS clients go through `endpoint`."""
+    return run_python(
+        code,
+        STORAGE_EMULATOR_HOST=endpoint,
+        TENSORSTORE_GCS_HTTP_URL=endpoint,
+        NNXSCALE_DEVICES="4",
+    )
+
+
+@pytest.mark.slow
+def test_credentials_that_may_not_write_are_named_and_what_is_saved_still_restores(
+    saved, refusing
+) -> None:
+    """A writer with read-only credentials is refused within the stated time, before it
+    writes or deletes anything; the same credentials still restore the saved steps."""
+    code = f"""
+import time
+from nnxscale.checkpoint import Checkpoints, checksums
+from nnxscale.checkpoint.buckets import REACH_SECONDS
+from nnxscale.model import Transformer
+from nnxscale.placement.rules import TP, strategy_mesh
+from nnxscale.train import adamw
+start = time.perf_counter()
+try:
+    Checkpoints({saved["url"]!r})
+except Exception as error:
+    print(f"refused {{time.perf_counter() - start:.1f}} {{REACH_SECONDS:g}}",
+          type(error).__name__, error)
+reader = Checkpoints({saved["url"]!r}, create=False)
+restored = reader.restore(Transformer.from_config, adamw(), TP, strategy_mesh(TP))
+print("restored", reader.steps(), checksums(restored.state) == {saved["sums"][2]!r})
+"""
+    ran = _through(refusing(*WRITES), code)
+    assert ran.returncodes == [0], ran.text
+    (refused,) = [line.split(" ", 3) for line in ran.output if line.startswith("refused ")]
+    _, seconds, limit, message = refused
+    assert float(seconds) < float(limit), ran.text
+    assert message.startswith(f"ObjectStorageError cannot write to {saved['url']} (OSError: Forb")
+    assert "roles/storage.objectUser" in message
+    assert "restored [1, 2] True" in ran.output, ran.text
+    assert Checkpoints(saved["url"], create=False).steps() == [1, 2]  # nothing deleted
+
+
+@pytest.mark.slow
+def test_credentials_that_may_not_read_the_bucket_or_list_it_are_named(gcs, refusing) -> None:
+    """Orbax reads the bucket's metadata (storage.buckets.get) to learn its layout, and lists
+    its objects: credentials without either are named before anything is written."""
+    url = gcs("roles")
+    bucket, path = url.removeprefix("gs://").split("/", 1)
+    code = f"""
+from nnxscale.checkpoint import Checkpoints
+try:
+    Checkpoints({url!r})
+except Exception as error:
+    print("refused", type(error).__name__, error)
+"""
+    for refused, lacks in [
+        (("GET", rf"/b/{bucket}(\?|$)"), "storage.buckets.get"),
+        (("GET", rf"/b/{bucket}/o(\?|$)"), "storage.objects.list"),
+    ]:
+        ran = _through(refusing(refused), code)
+        assert f"refused ObjectStorageError these credentials lack {lacks}" in ran.text, ran.text
+    fs, _ = fsspec.core.url_to_fs(url)
+    assert not fs.exists(f"{bucket}/{path}")  # nothing written
+
+
+def test_a_directory_orbax_could_not_open_is_left_free_for_the_next_writer(
+    gcs, monkeypatch
+) -> None:
+    """The marker is written before Orbax opens the directory; when Orbax then fails, the
+    marker is deleted, rather than left naming a live process and refusing every writer."""
+    from nnxscale.checkpoint import store
+
+    def refuse(*args, **kwargs):
+        raise OSError("Orbax could not list the directory")
+
+    url = gcs("free")
+    monkeypatch.setattr(store, "orbax_manager", refuse)
+    with pytest.raises(OSError, match="could not list"):
+        Checkpoints(url)
+    monkeypatch.undo()
+    Checkpoints(url).close()  # not DirectoryLockedError: the failed writer let go

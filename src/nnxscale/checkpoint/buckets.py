@@ -133,22 +133,36 @@ def check_bucket(directory: epath.Path, seconds: float | None = None) -> None:
         )
     bucket = str(directory).removeprefix("gs://").split("/", 1)[0]
 
-    def probe() -> bool:
+    def probe() -> None:
         fs, _ = _filesystem(directory)
-        return fs.exists(bucket)
+        for call, query, needs in [
+            ("b/{}", {}, "storage.buckets.get, to read the bucket's metadata (Orbax reads it)"),
+            ("b/{}/o", {"maxResults": 1}, "storage.objects.list, to list the bucket's objects"),
+        ]:
+            try:
+                fs.call("GET", call, bucket, json_out=True, **query)
+            except FileNotFoundError:
+                raise ObjectStorageError(
+                    f"the bucket gs://{bucket} does not exist: check the name in {directory}, "
+                    f"or create it (gcloud storage buckets create gs://{bucket})."
+                ) from None
+            except OSError as error:
+                if not str(error).startswith("Forbidden"):  # gcsfs's word for HTTP 403
+                    raise
+                raise ObjectStorageError(
+                    f"these credentials lack {needs} in gs://{bucket} (OSError: Forbidden). "
+                    "A checkpoint directory needs storage.buckets.get (in "
+                    "roles/storage.legacyBucketReader) and read and write on its objects "
+                    "(roles/storage.objectUser); check the credentials (gcloud auth "
+                    "application-default login, or GOOGLE_APPLICATION_CREDENTIALS)."
+                ) from error
 
     try:
-        exists = within(seconds, f"reaching gs://{bucket}", probe)
+        within(seconds, f"reaching gs://{bucket}", probe)
     except (ObjectStorageError, ImportError):
         raise
     except Exception as error:
         raise ObjectStorageError(f"cannot reach gs://{bucket} {_access_advice(error)}") from error
-    if not exists:
-        raise ObjectStorageError(
-            f"the bucket gs://{bucket} does not exist, or these credentials cannot see it: "
-            f"check the name in {directory}, or create it (gcloud storage buckets create "
-            f"gs://{bucket})."
-        )
 
 
 def partial_steps(directory: epath.Path) -> list[str]:

@@ -23,6 +23,7 @@ from jax.experimental import multihost_utils
 from nnxscale.checkpoint.buckets import (
     Location,
     MarkerLock,
+    ObjectStorageError,
     check_bucket,
     is_url,
     location,
@@ -140,6 +141,30 @@ def finish_at_program_end() -> bool:
     return True
 
 
+def together(error: BaseException | None, what: str) -> None:
+    """Raise `error` on its own process, and on every other an error of the same kind naming
+    the first process that failed to `what`: a process that went on alone into Orbax's
+    barriers, or into the next collective, would wait there for the others forever."""
+    if jax.process_count() > 1:
+        kinds = (DirectoryLockedError, ObjectStorageError, NoCheckpointError, SaveError)
+        code = (
+            0
+            if error is None
+            else next((i for i, k in enumerate(kinds, 1) if isinstance(error, k)), len(kinds) + 1)
+        )
+        codes = multihost_utils.process_allgather(np.int32(code))
+        failed = np.flatnonzero(codes)
+        if error is None and failed.size:
+            first = int(failed[0])
+            kind = kinds[codes[first] - 1] if codes[first] <= len(kinds) else RuntimeError
+            error = kind(
+                f"process {first} could not {what}, so no process goes on: process {first}'s "
+                "error says why."
+            )
+    if error is not None:
+        raise error
+
+
 class Checkpoints(Restorer):
     """A directory of train-state checkpoints, a local path or a `gs://` URL, managed by Orbax:
     async saves, the last k kept, every step verified when read, one writer at a time."""
@@ -158,6 +183,33 @@ class Checkpoints(Restorer):
                 "the others, so it must be a whole number of at least 1."
             )
         self.directory = location(directory)
+        self.lock: WriterLock | MarkerLock | None = None
+        error = None
+        try:
+            self._open(create)
+        except Exception as failed:  # told to every process, so that none goes on alone
+            error = failed
+        try:
+            together(error, f"open {self.directory}")
+            self.discarded = self.partial() if create else []
+            written = self._written if asynchronous else None
+            self.manager = orbax_manager(self.directory, keep, create, written)
+        except BaseException:
+            if self.lock is not None:  # a directory this writer never opened stays free
+                self.lock.release()
+            raise
+        self.asynchronous = asynchronous
+        self.writable = create
+        self.times: dict[int, SaveTimes] = {}
+        self.skipped: dict[int, str] = {}  # steps the last restore passed over, and why
+        self.closed = False
+        # A save still being written when the program ends is finished, not lost.
+        _OPEN.add(self)
+        finish_at_program_end()
+
+    def _open(self, create: bool) -> None:
+        """Check the directory, within a stated time on object storage, and take the writer's
+        lock (process 0) before Orbax may delete an unfinished save."""
         url = is_url(self.directory)
         if url:  # within a stated time, before Orbax could create a bucket named by a typo
             check_bucket(self.directory)
@@ -171,22 +223,10 @@ class Checkpoints(Restorer):
                 f"no checkpoint directory at {self.directory}: check the path, or save "
                 "checkpoints there first (Checkpoints(directory).save(trainer))."
             )
-        self.lock: WriterLock | MarkerLock | None = None
-        if create:  # one writer: taken before Orbax may delete an unfinished save
+        if create:
             self.directory.mkdir(parents=True, exist_ok=True)
             if jax.process_index() == 0:
                 self.lock = (MarkerLock if url else WriterLock)(self.directory, LOCK_FILE)
-        self.discarded = self.partial() if create else []
-        self.asynchronous = asynchronous
-        self.writable = create
-        written = self._written if asynchronous else None
-        self.manager = orbax_manager(self.directory, keep, create, written)
-        self.times: dict[int, SaveTimes] = {}
-        self.skipped: dict[int, str] = {}  # steps the last restore passed over, and why
-        self.closed = False
-        # A save still being written when the program ends is finished, not lost.
-        _OPEN.add(self)
-        finish_at_program_end()
 
     def save(
         self, trainer: Trainer, data: Batches | None = None, *, overwrite: bool = False
@@ -210,8 +250,13 @@ class Checkpoints(Restorer):
         state = trainer.state  # layers held in rounds (a pipeline) saved as one stack
         state = held_in(state, 1, trainer.layout) if layer_rounds(state) > 1 else state
         record = record_of(trainer, data, state)
-        if jax.process_index() == 0 and directory_run(self.directory) != trainer.run:
-            claim_directory(self.directory, trainer.run)
+        error = None
+        try:
+            if jax.process_index() == 0 and directory_run(self.directory) != trainer.run:
+                claim_directory(self.directory, trainer.run)
+        except Exception as failed:  # told to every process before Orbax's barriers
+            error = failed
+        together(error, f"claim {self.directory} for run {trainer.run[:8]}")
         started = self.manager.save(
             step,
             args=ocp.args.Composite(
@@ -228,23 +273,15 @@ class Checkpoints(Restorer):
         return returned - start
 
     def _check_held(self) -> None:
-        """Raise DirectoryLockedError, on every process alike, if the lock file or marker no
-        longer names this writer (process 0 holds it; the others learn its answer)."""
+        """Raise, on every process alike, if the lock file or marker no longer names this
+        writer (process 0 holds it; the others learn its answer)."""
         error = None
         if self.lock is not None:
             try:
                 self.lock.check()
             except Exception as lost:  # any failure, told to every process, not one alone
                 error = lost
-        if jax.process_count() > 1:
-            lost = bool(multihost_utils.broadcast_one_to_all(np.int32(error is not None)))
-            if lost and error is None:
-                error = DirectoryLockedError(
-                    f"process 0 found that this run no longer holds {self.directory}: it "
-                    "saves nothing more (process 0's error says why)."
-                )
-        if error is not None:
-            raise error
+        together(error, f"find this run holding {self.directory}")
 
     def _make_room(self, step: int, run: str, overwrite: bool) -> None:
         """Refuse a save Orbax would drop, or one that mixes two runs; with `overwrite`, delete
