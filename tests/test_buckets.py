@@ -19,6 +19,7 @@ import logging
 import os
 import re
 import socket
+import subprocess
 import sys
 import threading
 import time
@@ -35,7 +36,7 @@ from nnxscale.checkpoint import (
     CorruptCheckpointError,
     SkippedCheckpointWarning,
 )
-from nnxscale.checkpoint.buckets import ObjectStorageError, location
+from nnxscale.checkpoint.buckets import ObjectStorageError, location, this_machine
 from nnxscale.checkpoint.integrity import LOCK_FILE, DirectoryLockedError, checksums
 from nnxscale.model import TINY, Transformer, create
 from nnxscale.placement.rules import DP, FSDP, TP, strategy_mesh
@@ -426,3 +427,22 @@ def test_a_directory_orbax_could_not_open_is_left_free_for_the_next_writer(
         Checkpoints(url)
     monkeypatch.undo()
     Checkpoints(url).close()  # not DirectoryLockedError: the failed writer let go
+
+
+def test_a_dead_writer_is_judged_by_its_machine_and_pid_namespace_not_its_host_name(
+    gcs,
+) -> None:
+    """A container may share this host's name and reuse its pids: a marker naming an ended
+    pid of this host name is taken over only if it was written on this machine, in this pid
+    namespace; one from elsewhere is refused as possibly alive."""
+    url = gcs("machine")
+    fs, _ = fsspec.core.url_to_fs(url)
+    ended = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                           capture_output=True, text=True, check=True)  # fmt: skip
+    marker = {"writer": "w", "pid": int(ended.stdout), "host": socket.gethostname()}
+    elsewhere = {**marker, "machine": "another-boot-id pid:[4026531837]"}
+    fs.pipe_file(f"{url}/{LOCK_FILE}", json.dumps(elsewhere).encode())
+    with pytest.raises(DirectoryLockedError, match=rf"pid {marker['pid']} on "):
+        Checkpoints(url)
+    fs.pipe_file(f"{url}/{LOCK_FILE}", json.dumps({**marker, "machine": this_machine()}).encode())
+    Checkpoints(url).close()  # this machine's, and that process has ended: taken over

@@ -11,6 +11,7 @@ which is not atomic, so those are refused.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -213,6 +214,7 @@ class MarkerLock:
             "writer": uuid.uuid4().hex,
             "pid": os.getpid(),
             "host": socket.gethostname(),
+            "machine": this_machine(),
             "since": time.strftime("%Y-%m-%d %H:%M:%S"),
         }
         found = within(seconds, f"reading the writer marker of {directory}", self._read)
@@ -231,18 +233,33 @@ class MarkerLock:
         self.check()
 
     def _read(self) -> dict[str, Any] | None:
+        """The marker's record, with its object's `generation`; None if there is none."""
         self.fs.invalidate_cache()
         try:
+            generation = self.fs.info(self.path).get("generation")
             found = json.loads(self.fs.cat_file(self.path))
         except FileNotFoundError:
             return None
         except ValueError:
             found = None
-        return found if isinstance(found, dict) else {"writer": "an unreadable marker"}
+        found = found if isinstance(found, dict) else {"writer": "an unreadable marker"}
+        return {**found, "generation": generation}
 
     def _write(self, replacing: dict[str, Any] | None) -> None:
-        """Create the marker, only if absent unless it replaces a dead writer's."""
-        with self.fs.open(self.path, "wb" if replacing else "xb") as file:
+        """Create the marker, only if absent. A dead writer's marker is first deleted only if
+        it is still the very object read (`ifGenerationMatch`): of two writers taking it over
+        at once, one deletes it, and then one alone creates the new one."""
+        if replacing is not None:
+            bucket, key = self.path.split("/", 1)
+            with contextlib.suppress(FileNotFoundError, FileExistsError):  # 404, 412: gone
+                self.fs.call(
+                    "DELETE",
+                    "b/{}/o/{}",
+                    bucket,
+                    key,
+                    ifGenerationMatch=replacing["generation"],
+                )
+        with self.fs.open(self.path, "xb") as file:
             file.write(json.dumps(self.holder).encode())
 
     def _locked(self, holder: dict[str, Any]) -> DirectoryLockedError:
@@ -284,9 +301,22 @@ class MarkerLock:
             )
 
 
+def this_machine() -> str | None:
+    """This process's machine and process namespace (Linux: the kernel's boot id and the pid
+    namespace), which a host name alone does not tell: containers may share a host name, and
+    a pid means a process only within one namespace."""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+        return f"{boot} {os.readlink('/proc/self/ns/pid')}"
+    except OSError:
+        return None
+
+
 def _dead(holder: dict[str, Any]) -> bool:
-    """Whether a marker's writer was a process of this host that has ended."""
-    if holder.get("host") != socket.gethostname() or not isinstance(holder.get("pid"), int):
+    """Whether a marker's writer was a process of this machine and pid namespace (its host
+    name and `this_machine` both this one's) that has ended."""
+    here = holder.get("host") == socket.gethostname() and holder.get("machine") == this_machine()
+    if not here or not isinstance(holder.get("pid"), int):
         return False
     try:
         os.kill(holder["pid"], 0)
