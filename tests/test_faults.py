@@ -23,7 +23,8 @@ where it is tested (this module unless named). "open" cases still do what they d
   script whose last save fails as it ends: exit status 0 -> 1
 - gs:// paths: refused -> written (test_buckets.py); s3:// refused by name (test_checkpoint.py)
 - a restore under adam, another weight decay or learning rate: accepted silently -> refused
-  unless other_optimizer=True
+  unless other_optimizer=True; an optimizer whose mask is a tree of the parameters (refused
+  by the first probe, which asked one weight) -> probed on the model's tree and recorded
 - a restore whose model function ignores the recorded config (another dropout or dtype): it
   trained its own while the record kept the old -> refused unless other_config=True
 - a coordinator port taken between the check and the coordinator's start: a raw traceback ->
@@ -44,14 +45,17 @@ import socket
 import subprocess
 import sys
 import time
+import typing
 import warnings
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import orbax.checkpoint as ocp
 import pytest
+from flax import nnx
 
 import nnxscale as nx
 from nnxscale import launch
@@ -74,6 +78,7 @@ from nnxscale.train import (
     trainer_for,
 )
 from nnxscale.train.data import Batches, book_batches, encode
+from nnxscale.train.state import DESCRIBED_STEPS, describe_optimizer
 
 # After a failed read of damaged files, Orbax leaves reads in flight (coroutines, TensorStore
 # callbacks to an asyncio loop it has closed) that Python reports as unraisable when they are
@@ -364,6 +369,26 @@ def test_a_restore_under_another_optimizer_is_refused_unless_asked(saved, tx) ->
     checkpoints.restore_into(trainer, other_optimizer=True)
     assert checksums(trainer.state) == saved["sums"][3]
     assert restore(saved["dir"]).step_count() == 3  # the run's own optimizer restores
+
+
+def decay_matrices(params: nnx.State) -> typing.Any:
+    """A weight decay mask as a tree of the parameters' values (the tree `nnx.Optimizer`
+    gives its optimizer): decay the matrices, spare the norms' scales."""
+    return jax.tree.map(lambda p: p.ndim > 1, nnx.as_pure(params))
+
+
+def test_an_optimizer_with_a_mask_given_as_a_tree_trains_and_its_mask_is_recorded() -> None:
+    """optax's masks and labels can be trees of the parameters: the probes of the optimizer
+    at creation and in the record use the model's own tree (a single weight failed)."""
+    model = create(TINY)
+    params = nnx.state(model, nnx.Param)
+    matrices = optax.adamw(3e-3, weight_decay=0.5, mask=decay_matrices(params))
+    trainer = Trainer.create(model, matrices, DP, MESH)
+    assert np.isfinite(trainer.train(BATCHES, 1)).all()
+    masked = describe_optimizer(matrices, params)["updates"]
+    everywhere = describe_optimizer(optax.adamw(3e-3, weight_decay=0.5), params)["updates"]
+    assert [len(at) for at in masked] == [2] * len(DESCRIBED_STEPS)  # decayed, and spared
+    assert [len(at) for at in everywhere] == [1] * len(DESCRIBED_STEPS)
 
 
 @pytest.mark.slow

@@ -186,7 +186,7 @@ def record_of(trainer: Trainer, data: Batches | None, saved: Any) -> Record:
         options=trainer.options.recorded(),
         run=trainer.run,
         checksum_scheme=SCHEME,
-        optimizer=describe_optimizer(state.optimizer.tx),
+        optimizer=describe_optimizer(state.optimizer.tx, nnx.state(state.model, nnx.Param)),
         arrays={
             path: [list(shape), dtype, sums[path]]
             for path, (shape, dtype) in array_index(saved).items()

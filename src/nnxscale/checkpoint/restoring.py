@@ -111,7 +111,9 @@ def trained_config(record: Record, model: nnx.Module, other: bool) -> dict[str, 
     )
 
 
-def check_same_optimizer(record: Record, tx: optax.GradientTransformation, other: bool) -> None:
+def check_same_optimizer(
+    record: Record, tx: optax.GradientTransformation, params: Any, other: bool
+) -> None:
     """Refuse to continue a run under an optimizer other than the one its record describes
     (`describe_optimizer`), unless `other`: optax keeps a learning rate or a weight decay in
     closures, so Adam's moments restore as well into AdamW, or at another rate, and the run
@@ -120,9 +122,16 @@ def check_same_optimizer(record: Record, tx: optax.GradientTransformation, other
     saved = record.optimizer
     if saved is None or other:
         return
-    found = describe_optimizer(tx)
-    same = found["state"] == saved["state"] and len(found["updates"]) == len(saved["updates"])
-    if same and np.allclose(found["updates"], saved["updates"], rtol=1e-5, atol=0):
+    found = describe_optimizer(tx, params)
+    shapes = [len(u) for u in found["updates"]] == [len(u) for u in saved["updates"]]
+    if (
+        found["state"] == saved["state"]
+        and shapes
+        and all(
+            np.allclose(a, b, rtol=1e-5, atol=0, equal_nan=True)
+            for a, b in zip(found["updates"], saved["updates"], strict=True)
+        )
+    ):
         return
     raise CheckpointMismatchError(
         f"step {record.step} was saved by an optimizer whose state holds {saved['state']} "
@@ -170,13 +179,18 @@ class Restorer(Stored):
     skipped: dict[int, str]
 
     def restore_state(
-        self, values: nnx.State, layout: Layout, step: int | None = None
+        self,
+        values: nnx.State,
+        layout: Layout,
+        step: int | None = None,
+        checks: Callable[[], None] | None = None,
     ) -> nnx.State:
         """The saved state of `step`, for a state shaped like `values`, laid out by `layout`,
         verified against the checksums saved with it: read as the plain stacks the checkpoint
         holds (each device its shards), then held in the rounds `values` holds its layers in.
         Raises CorruptCheckpointError for a step that does not hold what was saved, and
-        CheckpointMismatchError, naming the arrays, when `values` is shaped otherwise."""
+        CheckpointMismatchError, naming the arrays, when `values` is shaped otherwise; then
+        runs `checks` (of the optimizer, the configuration), before any array is read."""
         record = self.record(step)
         step = record.step
         if record.checksum_scheme != SCHEME:
@@ -203,6 +217,8 @@ class Restorer(Stored):
         shapes = shapes_of(values)
         rounds, plain = layer_rounds(shapes), group_layers(shapes, 1)
         check_matches(recorded, array_index(plain), f"checkpoint {step}")
+        if checks is not None:
+            checks()
         read = layout if rounds == 1 else resolve(plain, layout.rules, layout.mesh)
         target = restore_target(plain, read.shardings())
         try:
@@ -293,11 +309,16 @@ class Restorer(Stored):
             trained = restored_options(record, options, changes)
             graphdef, values = nnx.split(abstract(lambda: state_to_restore(record, model, tx)))
             layout = resolve(values, rules, mesh)
-            state = self.restore_state(values, layout, at)  # arrays that differ named first
-            check_same_optimizer(record, tx, other_optimizer)
-            config = trained_config(record, nnx.merge(graphdef, values).model, other_config)
+            built = nnx.merge(graphdef, values).model  # abstract: no array read yet
+            config: dict[str, Any] = {}
+
+            def checks() -> None:  # after the arrays that differ, before any is read
+                check_same_optimizer(record, tx, nnx.state(built, nnx.Param), other_optimizer)
+                config["trained"] = trained_config(record, built, other_config)
+
+            state = self.restore_state(values, layout, at, checks)
             return Trainer.from_layout(
-                graphdef, state, layout, trained, config=config, run=record.run
+                graphdef, state, layout, trained, config=config["trained"], run=record.run
             )
 
         return self._newest_verified(step, restore_step)
@@ -319,8 +340,13 @@ class Restorer(Stored):
             record = self.record(at)
             if data is not None:
                 check_data(record, data)
-            restored = self.restore_state(trainer.state, trainer.layout, at)
-            check_same_optimizer(record, tx, other_optimizer)
+            params = nnx.state(nnx.merge(trainer.graphdef, trainer.state).model, nnx.Param)
+            restored = self.restore_state(
+                trainer.state,
+                trainer.layout,
+                at,
+                lambda: check_same_optimizer(record, tx, params, other_optimizer),
+            )
             trainer.state = restored
             trainer.run = record.run or trainer.run
             return trainer

@@ -7,7 +7,7 @@ import dataclasses
 import json
 import math
 import uuid
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 import jax
@@ -91,41 +91,73 @@ step count, read by setting the optimizer state's counts, so each costs one upda
 
 
 def _updates(
-    tx: optax.GradientTransformation, weight: float, steps: tuple[int, ...]
-) -> Iterator[tuple[int, float]]:
-    """(step, update) of a weight of `weight` whose gradient is 1, with the optimizer state's
-    step counts set to each of `steps` in turn (a schedule reads its step from them); only the
-    first step for an optimizer that keeps no count, whose every step updates alike."""
-    params, grad = {"w": jnp.full((), weight, jnp.float32)}, {"w": jnp.ones((), jnp.float32)}
-    state = tx.init(params)
+    tx: optax.GradientTransformation, weight: float, steps: tuple[int, ...], params: Any = None
+) -> list[tuple[int, list[float]]]:
+    """(step, the distinct updates) of weights of `weight` whose gradients are 1, with the
+    optimizer state's step counts set to each of `steps` in turn (a schedule reads its step
+    from them); only the first step for an optimizer that keeps no count, whose every step
+    updates alike. Asked of one weight; an optimizer whose mask or labels are a tree of the
+    parameters cannot update one weight, and is asked of one number for each array of
+    `params` instead. On this process's CPU, so that every backend describes it alike."""
+    with jax.default_device(jax.local_devices(backend="cpu")[0]):
+        try:
+            return _probed(tx, weight, steps, {"w": 0.0})
+        except (ValueError, TypeError):  # a tree of the parameters that one weight is not
+            if params is None:
+                raise
+            return _probed(tx, weight, steps, nnx.as_pure(params))  # as nnx.Optimizer gives
+
+
+def _probed(
+    tx: optax.GradientTransformation, weight: float, steps: tuple[int, ...], tree: Any
+) -> list[tuple[int, list[float]]]:
+    """`_updates` of one number for each leaf of `tree`."""
+    weights = jax.tree.map(lambda _: jnp.full((), weight, jnp.float32), tree)
+    grads = jax.tree.map(lambda _: jnp.ones((), jnp.float32), tree)
+    state = tx.init(weights)
+    found = []
     for step in steps:
         try:
             at = optax.tree_utils.tree_set(state, count=jnp.asarray(step, jnp.int32))
         except KeyError:
-            yield steps[0], float(tx.update(grad, state, params)[0]["w"])
-            return
-        yield step, float(tx.update(grad, at, params)[0]["w"])
+            return [(steps[0], _distinct(tx.update(grads, state, weights)[0]))]
+        found.append((step, _distinct(tx.update(grads, at, weights)[0])))
+    return found
 
 
-def check_optimizer(tx: optax.GradientTransformation) -> None:
-    """Raise a clear error when `tx`'s update of a weight with gradient 1 is not finite, or
-    not a descent (a NaN, infinite or negative learning rate), at any of `PROBED_STEPS`: a
-    schedule that turns negative later (one that decays past 0) would train uphill from
-    there. Checked on one number, with the state's step counts set to each step in turn,
-    before a step could write such an update into every weight. A schedule negative only
-    between two probed steps goes unseen."""
+def _distinct(updates: Any) -> list[float]:
+    """The distinct values among `updates`' numbers, in order (NaN last, once)."""
+    values = {float(u) for u in jax.device_get(jax.tree.leaves(updates))}
+    finite = sorted(v for v in values if not math.isnan(v))
+    return finite + ([math.nan] if len(finite) < len(values) else [])
+
+
+def check_is_optimizer(tx: object) -> None:
+    """Raise TypeError unless `tx` is an optax optimizer."""
     if not isinstance(tx, optax.GradientTransformation):
         raise TypeError(
             f"expected an optax optimizer (optax.GradientTransformation), got {tx!r}: pass one "
             "such as nx.adamw() or optax.adamw(3e-3)."
         )
-    for step, update in _updates(tx, 0.0, PROBED_STEPS):
-        if not math.isfinite(update) or update > 0:
+
+
+def check_optimizer(tx: optax.GradientTransformation, params: Any = None) -> None:
+    """Raise a clear error when `tx`'s update of a weight with gradient 1 is not finite, or
+    not a descent (a NaN, infinite or negative learning rate), at any of `PROBED_STEPS`: a
+    schedule that turns negative later (one that decays past 0) would train uphill from
+    there. Checked on one number for each array of `params` (the tree `tx` will be given;
+    default: one weight), with the state's step counts set to each step in turn, before a
+    step could write such an update into every weight. A schedule negative only between two
+    probed steps goes unseen."""
+    check_is_optimizer(tx)
+    for step, updates in _updates(tx, 0.0, PROBED_STEPS, params):
+        wrong = [u for u in updates if not math.isfinite(u) or u > 0]
+        if wrong:
             raise ValueError(
                 f"the optimizer's update at step {step:,} of a weight whose gradient is 1 is "
-                f"{update}: with a finite learning rate of 0 or more it would be a finite step "
-                "down. Check the learning rate and its schedule (one that decays past 0 turns "
-                "negative), which the optimizer was built with."
+                f"{wrong[0]}: with a finite learning rate of 0 or more it would be a finite "
+                "step down. Check the learning rate and its schedule (one that decays past 0 "
+                "turns negative), which the optimizer was built with."
             )
 
 
@@ -133,11 +165,12 @@ DESCRIBED_STEPS = (0, 10, 1_000)
 """The steps at which `describe_optimizer` reads an optimizer's updates."""
 
 
-def describe_optimizer(tx: optax.GradientTransformation) -> dict[str, list]:
+def describe_optimizer(tx: optax.GradientTransformation, params: Any = None) -> dict[str, list]:
     """What tells two optimizers apart without their code (optax keeps its settings in
     closures): the kinds of state it keeps, in order (Adam's moments, a schedule's count), and
-    its updates of a weight of 0.5 whose gradient is 1 at `DESCRIBED_STEPS`, in which the
-    learning rate and its schedule, the weight decay and the moment rates all show."""
+    the distinct updates of weights of 0.5 whose gradients are 1, one for each array of
+    `params` (`_updates`), at `DESCRIBED_STEPS`, in which the learning rate and its schedule,
+    the weight decay and where it applies, and the moment rates all show."""
     kinds: list[str] = []
 
     def walk(node: Any) -> None:
@@ -147,8 +180,12 @@ def describe_optimizer(tx: optax.GradientTransformation) -> dict[str, list]:
             for child in node:
                 walk(child)
 
-    walk(tx.init({"w": jnp.zeros((), jnp.float32)}))
-    return {"state": kinds, "updates": [u for _, u in _updates(tx, 0.5, DESCRIBED_STEPS)]}
+    updates = [u for _, u in _updates(tx, 0.5, DESCRIBED_STEPS, params)]
+    try:
+        walk(tx.init({"w": jnp.zeros((), jnp.float32)}))
+    except (ValueError, TypeError):  # a mask or labels as a tree of the parameters
+        walk(tx.init(jax.tree.map(lambda _: jnp.zeros((), jnp.float32), nnx.as_pure(params))))
+    return {"state": kinds, "updates": updates}
 
 
 LEARNING_RATE = 3e-3

@@ -42,6 +42,7 @@ from nnxscale.train.state import (
     TrainOptions,
     TrainState,
     adamw,
+    check_is_optimizer,
     check_model,
     check_optimizer,
     config_record,
@@ -99,7 +100,7 @@ class Trainer:
         `config` is recorded in checkpoints (default: `model.cfg`).
         """
         options = (options or TrainOptions()).replace(**changes)
-        check_optimizer(tx)
+        check_is_optimizer(tx)
         if not callable(model):
             check_model(model)
         if isinstance(model, nnx.Module):
@@ -118,7 +119,9 @@ class Trainer:
 
             compiled, graphdef, layout = compile_init(create_state, rules, mesh)
             values = compiled()
-        config = config if config is not None else model_config(nnx.merge(graphdef, values).model)
+        built = nnx.merge(graphdef, values).model
+        check_optimizer(tx, nnx.state(built, nnx.Param))  # before a step could use it
+        config = config if config is not None else model_config(built)
         return cls.from_layout(graphdef, values, layout, options, config=config)
 
     @classmethod
