@@ -199,21 +199,7 @@ class Restorer(Stored):
                 f"and this nnxscale computes them as {SCHEME!r}: restore it with the nnxscale "
                 "that wrote it."
             )
-        recorded = {p: (tuple(a[0]), a[1]) for p, a in (record.arrays or {}).items()}
-        try:
-            stored = self.saved_arrays(step)
-        except Exception as error:
-            raise CorruptCheckpointError(
-                f"the array metadata of step {step} (state/_METADATA) cannot be read "
-                f"({error_text(error)}): the step is damaged or incomplete. " + FALL_BACK
-            ) from error
-        if stored != recorded:
-            raise CorruptCheckpointError(
-                f"the array metadata of step {step} (state/_METADATA) disagrees with the arrays "
-                f"its record lists ({len(set(stored) ^ set(recorded))} paths differ, "
-                f"{sum(stored[p] != recorded[p] for p in set(stored) & set(recorded))} shapes "
-                "or dtypes): the step is damaged. " + FALL_BACK
-            )
+        recorded = self._recorded_arrays(record)
         shapes = shapes_of(values)
         rounds, plain = layer_rounds(shapes), group_layers(shapes, 1)
         check_matches(recorded, array_index(plain), f"checkpoint {step}")
@@ -239,6 +225,27 @@ class Restorer(Stored):
                 "flipped bit, a truncated or replaced chunk. " + FALL_BACK
             )
         return state if rounds == 1 else held_in(state, rounds, layout)
+
+    def _recorded_arrays(self, record: Record) -> dict[str, tuple[tuple[int, ...], str]]:
+        """Path -> (shape, dtype) of the arrays `record` lists, once the step's own array
+        metadata is found to list the same (CorruptCheckpointError if not)."""
+        step = record.step
+        recorded = {p: (tuple(a[0]), a[1]) for p, a in (record.arrays or {}).items()}
+        try:
+            stored = self.saved_arrays(step)
+        except Exception as error:
+            raise CorruptCheckpointError(
+                f"the array metadata of step {step} (state/_METADATA) cannot be read "
+                f"({error_text(error)}): the step is damaged or incomplete. " + FALL_BACK
+            ) from error
+        if stored != recorded:
+            raise CorruptCheckpointError(
+                f"the array metadata of step {step} (state/_METADATA) disagrees with the arrays "
+                f"its record lists ({len(set(stored) ^ set(recorded))} paths differ, "
+                f"{sum(stored[p] != recorded[p] for p in set(stored) & set(recorded))} shapes "
+                "or dtypes): the step is damaged. " + FALL_BACK
+            )
+        return recorded
 
     def _newest_verified(self, step: int | None, restore: Callable[[int], T]) -> T:
         """`restore(step)`; without a step, `restore` of the newest step that verifies, warning
