@@ -135,3 +135,38 @@ def test_figures_are_named_captioned_and_described(md: Path) -> None:
         names.append(figure["name"])
     assert names, "each chapter explains its mechanism with at least one figure"
     assert len(names) == len(set(names))
+
+
+NUMBERED = {int(c.name[:2]): c.name for c in CHAPTERS if c.name[:2].isdigit()}
+LINK = re.compile(r"\[([^\]]*)\]\(([^)\s]+)\)")
+
+
+def prose_of(text: str) -> str:
+    """`text` with its code cells and front matter blanked (same length, so spans agree)."""
+    blank = lambda m: re.sub(r"[^\n]", " ", m[0])  # noqa: E731
+    text = re.sub(r"\A---\n.*?\n---\n", blank, text, flags=re.S)
+    return re.sub(r"```\{code-cell\}.*?```", blank, text, flags=re.S)
+
+
+def anchors(md: Path) -> set[str]:
+    """The anchors of `md`'s headings as MyST makes them (`myst_heading_anchors`)."""
+    headings = re.findall(r"^#{1,3} (.+)$", prose_of(md.read_text()), re.M)
+    return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in headings}
+
+
+@pytest.mark.parametrize("md", CHAPTERS, ids=NAMES)
+def test_every_chapter_reference_is_a_link_to_the_chapter_that_holds_it(md: Path) -> None:
+    """A chapter cited by number is a link to the file of that number (and to a heading that
+    file has): renumbering the chapters cannot leave a stale "chapter 11" behind."""
+    text = prose_of(md.read_text())
+    links = list(LINK.finditer(text))
+    bare = [m[0] for m in re.finditer(r"\b[Cc]hapters? \d+", text)
+            if not any(link.start() <= m.start() < link.end() for link in links)]  # fmt: skip
+    assert not bare, f"chapters cited without a link: {bare}"
+    for link in links:
+        cited = re.match(r"(?:[Cc]hapters? )?(\d+)\b", link[1])
+        if cited is None or ".md" not in link[2]:
+            continue
+        file, _, anchor = link[2].partition("#")
+        assert file == NUMBERED.get(int(cited[1])), f"{link[0]} leads to {file}"
+        assert not anchor or anchor in anchors(md.parent / file), f"{link[0]}: no such heading"
