@@ -455,3 +455,18 @@ def test_strategy_costs_draw_memory_and_traffic_per_strategy() -> None:
     memory, traffic = fig.axes
     assert [p.get_height() for p in memory.patches] == [4.0, 1.0, 2.0, 2.0]
     assert [p.get_height() for p in traffic.patches] == [3.0, 4.0]
+
+
+def test_the_links_each_axis_crosses_are_drawn_from_the_recorded_report() -> None:
+    from nnxscale.costs import crossing
+    from nnxscale.figures import plot_links
+
+    ax = plot_links(crossing.compare("HSDP", crossing.recorded("HSDP"))).axes[0]
+    texts = {t.get_text(): t.get_color() for t in ax.texts}
+    inside, across = [t for t in texts if t.startswith(("fast", "the slow"))]
+    assert "all-gather over data: 559,616 B" in inside and texts[inside] == "black"
+    assert "all-reduce over replica: 131,072 B" in across and texts[across] == "tab:red"
+    assert "replica" not in inside.split("\n", 1)[1]  # nothing over replica stays inside
+    assert "replica=1\ndata=3" in texts and "process 1 (a host)" in texts
+    dashed = [line for line in ax.lines if line.get_linestyle() == "--"]
+    assert len(dashed) == 4  # one slow link for each device of the second process

@@ -19,7 +19,7 @@ from nnxscale.figures.layouts import (
 )
 from nnxscale.figures.pipelines import plot_bubbles, plot_timeline, plot_timelines
 from nnxscale.figures.profiles import KIND_COLOURS, plot_profile, plot_roofline
-from nnxscale.figures.rings import plot_dispatch, plot_ring, plot_topology
+from nnxscale.figures.rings import plot_dispatch, plot_links, plot_ring, plot_topology
 from nnxscale.figures.strategies import (
     plot_data_parallel,
     plot_fsdp_timeline,
@@ -44,6 +44,7 @@ __all__ = [
     "plot_init_memory",
     "plot_layouts",
     "plot_ledger",
+    "plot_links",
     "plot_mesh",
     "plot_on_mesh",
     "plot_profile",

@@ -1,13 +1,16 @@
-"""Rings and exchanges drawn: ring attention's blocks, expert dispatch, the links of a topology."""
+"""Rings and exchanges drawn: ring attention's blocks, expert dispatch, the links of a
+topology and which of them each mesh axis crosses."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import matplotlib.pyplot as plt
 import numpy as np
 from matplotlib.figure import Figure
 
+from nnxscale.costs.crossing import Crossing
 from nnxscale.figures.drawing import box, device_colour, frameless
 from nnxscale.model.context import Ring
 from nnxscale.model.moe import Routing
@@ -168,5 +171,50 @@ def plot_dispatch(routing: Routing, devices: int) -> Figure:
     right.set_title(f"after the all-to-all: {slots} slots per expert and group", fontsize=9)
     for ax in (left, right):
         frameless(ax, labelsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def plot_links(crossing: Crossing) -> Figure:
+    """Which link each mesh axis crosses, from a compiled step's report on a mesh across
+    processes (`costs.crossing`): a box per process (a host) holding its devices, the fast
+    links between devices inside it, the slow network between the processes, and beside
+    each the collectives the step runs over them, with their bytes."""
+    mesh = crossing.mesh
+    processes = mesh["replica"]
+    local = math.prod(size for axis, size in mesh.items() if axis != "replica")
+    fig, ax = plt.subplots(figsize=(1.3 * local + 4.6, 1.6 * processes + 0.6))
+    for p in range(processes):
+        y = 1.6 * p
+        host = plt.Rectangle((0, y), 1.3 * local + 0.2, 1.2, facecolor="0.93", edgecolor="black")
+        ax.add_patch(host)
+        ax.text(0.1, y + 1.08, f"process {p} (a host)", fontsize=8, va="top")
+        for k in range(local):
+            device = p * local + k  # its place in the mesh: replica is the process's index
+            coords = np.unravel_index(device, tuple(mesh.values()))
+            label = "\n".join(f"{a}={i}" for a, i in zip(mesh, coords, strict=True))
+            colour = device_colour(device, processes * local)
+            box(ax, 0.2 + 1.3 * k, y + 0.1, 1.0, 0.8, colour, label, 6, "black")
+            if k:  # a fast link to the device before
+                ax.plot([1.3 * k - 0.1, 0.2 + 1.3 * k], [y + 0.5] * 2, color="black", lw=3)
+            if p:  # the slow network to the same device of the process before
+                x = 0.7 + 1.3 * k
+                ax.plot([x, x], [y - 0.7, y + 0.1], color="tab:red", lw=1.2, ls="--")
+    right = 1.3 * local + 0.5
+    inner = ", ".join(axis for axis in mesh if axis != "replica")
+    for crosses, y, title in [
+        (False, 0.1, f"fast links inside a host: {inner}"),
+        (True, 1.6 * processes - 0.6, "the slow network across hosts: replica"),
+    ]:
+        lines = [
+            f"{kind} over {' and '.join(axes)}: {size:,} B"
+            for kind, axes, size, across, _ in crossing.rows
+            if across == crosses
+        ]
+        colour = "tab:red" if crosses else "black"
+        ax.text(right, y, "\n".join([title, *lines]), fontsize=7, va="top", color=colour)
+    ax.set_xlim(-0.1, right + 3.4)
+    ax.set_ylim(1.6 * processes, -0.1)
+    ax.axis("off")
     fig.tight_layout()
     return fig
