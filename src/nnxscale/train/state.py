@@ -98,14 +98,13 @@ def _updates(
     from them); only the first step for an optimizer that keeps no count, whose every step
     updates alike. Asked of one weight; an optimizer whose mask or labels are a tree of the
     parameters cannot update one weight, and is asked of one number for each array of
-    `params` instead. On this process's CPU, so that every backend describes it alike."""
-    with jax.default_device(jax.local_devices(backend="cpu")[0]):
-        try:
-            return _probed(tx, weight, steps, {"w": 0.0})
-        except (ValueError, TypeError):  # a tree of the parameters that one weight is not
-            if params is None:
-                raise
-            return _probed(tx, weight, steps, nnx.as_pure(params))  # as nnx.Optimizer gives
+    `params` instead."""
+    try:
+        return _probed(tx, weight, steps, {"w": 0.0})
+    except (ValueError, TypeError):  # a tree of the parameters that one weight is not
+        if params is None:
+            raise
+        return _probed(tx, weight, steps, nnx.as_pure(params))  # as nnx.Optimizer gives it
 
 
 def _probed(
