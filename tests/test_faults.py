@@ -210,13 +210,31 @@ def test_a_damaged_step_is_refused_and_restore_falls_back(saved, copy, kind) -> 
 
 @pytest.mark.slow
 def test_bit_flips_anywhere_in_array_data_never_restore_wrong_values(saved, copy) -> None:
-    """25 single-bit flips spread over every byte of the step's chunk files: each ends in
-    an error naming the step, or (a bit the reader never uses) in the saved values."""
+    """25 single-bit flips spread over every byte of the step's data files: each ends in an
+    error naming the step, or in the saved values. A flip in a file no restore reads changes
+    nothing; most flips in the files a restore reads are refused."""
     files = data_files(copy / "3")
-    total = sum(p.stat().st_size for p in files)
     checkpoints = Checkpoints(copy, create=False)
     trainer = restore(copy, step=3)
-    outcomes = []
+
+    def outcome() -> str:
+        try:
+            checkpoints.restore_into(trainer, step=3)
+        except CorruptCheckpointError as error:
+            assert "step 3" in str(error)
+            return "refused"
+        assert checksums(trainer.state) == saved["sums"][3]  # never wrong values
+        return "exact"
+
+    read = set()  # the files a restore needs: without one, it is refused
+    for path in files:
+        original = path.read_bytes()
+        path.unlink()
+        if outcome() == "refused":
+            read.add(path)
+        path.write_bytes(original)
+    outcomes = {path: [] for path in files}
+    total = sum(p.stat().st_size for p in files)
     for position in np.linspace(0, total - 1, 25).astype(int).tolist():
         for path in files:
             if position < path.stat().st_size:
@@ -224,17 +242,14 @@ def test_bit_flips_anywhere_in_array_data_never_restore_wrong_values(saved, copy
             position -= path.stat().st_size
         original = path.read_bytes()
         flip(path, position, bit=position % 8)
-        try:
-            checkpoints.restore_into(trainer, step=3)
-            assert checksums(trainer.state) == saved["sums"][3]
-            outcomes.append("exact")
-        except CorruptCheckpointError as error:
-            assert "step 3" in str(error)
-            outcomes.append("refused")
+        outcomes[path].append(outcome())
         path.write_bytes(original)
-    # a bit the reader never reads (index padding, a superseded value) restores exactly;
-    # most land in chunks, and each of those is refused
-    assert outcomes.count("refused") > len(outcomes) // 2, outcomes
+    # which files hold superseded nodes or values, and how large each is, depends on the
+    # order in which the writer's threads finish: the claims are made per file
+    unread = [o for path in files if path not in read for o in outcomes[path]]
+    assert set(unread) <= {"exact"}, outcomes
+    in_read = [o for path in read for o in outcomes[path]]
+    assert in_read.count("refused") > len(in_read) // 2, outcomes
 
 
 def test_a_step_copied_in_from_another_run_is_refused(saved, copy, tmp_path) -> None:
