@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import shutil
 from pathlib import Path
 
@@ -15,6 +16,18 @@ CHAPTERS = sorted((ROOT / "chapters").glob("[0-9A-Z][0-9]_*.md"))
 CONFIG = yaml.safe_load((ROOT / "_config.yml").read_text())
 REPOSITORY = CONFIG["repository"]["url"]
 BRANCH = CONFIG["repository"]["branch"]
+
+
+def _script(name: str) -> object:
+    """The module of the book's script `book/NAME.py`."""
+    spec = importlib.util.spec_from_file_location(f"book_{name}", ROOT / "book" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+colab = _script("colab")
+"""book/colab.py, which writes the notebooks the Colab links open."""
 
 KERNEL_PACKAGES = ("ipykernel",)
 """What every Jupyter and Colab runtime has besides Python: the kernel, which brings IPython.

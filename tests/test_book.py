@@ -11,7 +11,7 @@ import yaml
 
 from nnxscale.runtime.launch import Run
 
-from book import CHAPTERS, ROOT, copy_checkout
+from book import CHAPTERS, ROOT, colab, copy_checkout
 from conftest import jupyter_book
 
 pytestmark = pytest.mark.book
@@ -83,11 +83,28 @@ def test_citations_and_bibliography_share_one_style(built_book: Path) -> None:
     labels = re.findall(
         r'<span class="label"><span class="fn-bracket">\[</span>(.*?)<', bibliography
     )
-    assert labels and all(re.fullmatch(r"[^\d\[\]]+, \d{4}[a-z]?", label) for label in labels)
+    assert labels and all(re.fullmatch(r"[^\d\[\]{}]+, \d{4}[a-z]?", label) for label in labels)
     chapter = (built_book / "chapters" / f"{CHAPTERS[6].stem}.html").read_text()
     cited = re.findall(r'href="[^"]*references.html#[^"]*"[^>]*>(?:<span>)?([^<]*)<', chapter)
     assert cited and set(cited) <= set(labels), (cited, labels)
     assert {"Huang et al., 2019", "Narayanan et al., 2021b"} <= set(cited)
+
+
+def test_colab_notebooks_hold_the_numbers_of_this_build(built_book: Path) -> None:
+    """The values colab/*.ipynb write into the prose are this build's, but for those measured
+    on the machine that built them (book/colab.py's MEASURED), which may differ."""
+    stale = []
+    for chapter in CHAPTERS:
+        written = colab.written_values(
+            ROOT / "chapters" / f"{chapter.stem}.ipynb", ROOT / "colab" / f"{chapter.stem}.ipynb"
+        )
+        assert written is not None, f"colab/{chapter.stem}.ipynb is not the chapter's source"
+        fresh = colab.as_built(colab.glued(built_book.parent, chapter.stem))
+        for key, text in written:
+            name, _, spec = key.partition(":")
+            if fresh(name, spec) != text and name not in colab.MEASURED:
+                stale.append((chapter.stem, name, text, fresh(name, spec)))
+    assert stale == [], f"{stale}: regenerate them with python book/colab.py"
 
 
 def test_reader_text_keeps_straight_quotes(built_book: Path) -> None:

@@ -175,11 +175,16 @@ def test_bibliography_labels_read_like_the_citations() -> None:
         "@misc{a, author={Huang, Yanping and Cheng, Youlong and Bapna, Ankur}, year={2019},"
         " title={GPipe}}\n@misc{b, author={Austin, Jacob and Douglas, Sholto}, year={2025},"
         " title={Scaling}}\n@misc{c, author={Xu, Yuanzhong}, year={2021}, title={GSPMD}}"
-        "@misc{d, author={Xu, Yuanzhong}, year={2021}, title={More}}",
+        "@misc{d, author={Xu, Yuanzhong}, year={2021}, title={More}}"
+        "@misc{e, author={{The JAX authors}}, year={2024}, title={JAX}}",
         "bibtex",
     )
     labels = [e.label for e in style.format_entries(entries.entries.values())]
-    assert labels == ["Austin and Douglas, 2025", "Huang et al., 2019", "Xu, 2021a", "Xu, 2021b"]
+    assert labels == [
+        "Austin and Douglas, 2025", "Huang et al., 2019", "Xu, 2021a", "Xu, 2021b",
+        "The JAX authors, 2024",  # sorted as written, "{The", and labelled without braces
+    ]  # fmt: skip
+    assert ext.citation_labels  # the Colab notebooks label citations with this same style
 
 
 def test_outside_a_git_checkout_paths_stay_unlinked(tmp_path: Path) -> None:
@@ -187,3 +192,16 @@ def test_outside_a_git_checkout_paths_stay_unlinked(tmp_path: Path) -> None:
     (tmp_path / "benchmarks" / "fsdp.py").write_text("")
     assert ext.link_target("benchmarks/fsdp.py", fake_app(tmp_path)) is None
     assert ext.link_target("jax.jit", fake_app(tmp_path)) == ext.JAX + "jax.jit.html"
+
+
+def test_the_colab_button_opens_the_notebook_written_for_colab() -> None:
+    colab = "https://colab.research.google.com/github/o/r/blob/main/chapters/01_device_meshes.ipynb"
+    context = {"header_buttons": [
+        {"type": "group", "buttons": [{"text": "Colab", "url": colab},
+                                      {"text": "Binder", "url": "https://b/chapters/x"}]},
+        {"type": "link", "url": "https://github.com/o/r"},
+    ]}  # fmt: skip
+    ext.colab_opens_its_notebook(None, "chapters/01_device_meshes", "page.html", context, None)
+    buttons = context["header_buttons"][0]["buttons"]
+    assert buttons[0]["url"].endswith("/blob/main/colab/01_device_meshes.ipynb")
+    assert buttons[1]["url"] == "https://b/chapters/x"

@@ -1,4 +1,5 @@
-""" "Run all" of each committed notebook, the way Colab runs it, offline.
+""" "Run all" of each notebook the Colab links open (`colab/NN_slug.ipynb`), the way Colab runs
+it, offline.
 
 The kernel runs in a throwaway virtual environment that holds Python, a Jupyter kernel
 (`KERNEL_PACKAGES`) and nothing else: no JAX, no Flax, no build tool. The setup cell must
@@ -96,7 +97,7 @@ def test_run_all_as_on_colab(
     monkeypatch.setenv("JUPYTER_PATH", str(colab["jupyter"]))
     monkeypatch.delenv("NNXSCALE_DEVICES", raising=False)
     monkeypatch.delenv("NNXSCALE_BOOK_BUILD", raising=False)
-    notebook = nbformat.read(md.with_suffix(".ipynb"), as_version=4)
+    notebook = nbformat.read(ROOT / "colab" / f"{md.stem}.ipynb", as_version=4)  # as linked
     check = nbformat.v4.new_code_cell(
         "import jax, nnxscale\n"
         "print(jax.device_count(), jax.devices()[0].platform, nnxscale.__file__)"

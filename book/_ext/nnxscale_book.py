@@ -425,6 +425,18 @@ def number_figure_links(app: Sphinx, doctree: nodes.document, docname: str) -> N
             reference.children = [nodes.inline(text, text)]
 
 
+def colab_opens_its_notebook(
+    app: Sphinx, pagename: str, templatename: str, context: dict, doctree
+) -> None:
+    """The Colab button opens `colab/NN_slug.ipynb` (written by book/colab.py), which reads
+    right in Colab, not the chapter's jupytext pair with its MyST roles."""
+    for group in context.get("header_buttons", []):
+        for button in group.get("buttons", []):
+            if button.get("text") == "Colab" and "/chapters/" in button["url"]:
+                head, _, name = button["url"].rpartition("/chapters/")
+                button["url"] = f"{head}/colab/{name}"
+
+
 def _docname(app: Sphinx, current: str, uri: str) -> str:
     """The document a relative HTML link from `current` points at."""
     base = Path(current).parent
@@ -432,9 +444,9 @@ def _docname(app: Sphinx, current: str, uri: str) -> str:
     return target.replace(os.sep, "/")
 
 
-def author_year_labels(app: Sphinx, config: object) -> None:
-    """Bibliography entries labelled as cited in the text: "Huang et al., 2019", not [HCB+19]."""
-    from pybtex.plugin import register_plugin
+def _bibliography_style() -> type:
+    """The pybtex style that labels entries as cited in the text: "Huang et al., 2019"."""
+    from pybtex.plugin import PluginNotFound, find_plugin, register_plugin
     from pybtex.style.formatting.unsrt import Style as Unsorted
     from pybtex.style.labels import BaseLabelStyle
 
@@ -443,7 +455,8 @@ def author_year_labels(app: Sphinx, config: object) -> None:
             labels = []
             for entry in entries:
                 people = entry.persons.get("author") or entry.persons.get("editor") or []
-                last = [" ".join(p.last_names) for p in people] or [entry.fields.get("title", "")]
+                last = [" ".join(p.last_names).strip("{}") for p in people]
+                last = last or [entry.fields.get("title", "")]
                 names = (
                     last[0]
                     if len(last) == 1
@@ -463,9 +476,27 @@ def author_year_labels(app: Sphinx, config: object) -> None:
         default_label_style = "nnxscale-author-year"
         default_sorting_style = "author_year_title"
 
-    register_plugin("pybtex.style.labels", "nnxscale-author-year", AuthorYear)
-    register_plugin("pybtex.style.formatting", "nnxscale", Style)
+    try:
+        return find_plugin("pybtex.style.formatting", "nnxscale")
+    except PluginNotFound:  # not registered yet in this process
+        register_plugin("pybtex.style.labels", "nnxscale-author-year", AuthorYear)
+        register_plugin("pybtex.style.formatting", "nnxscale", Style)
+        return Style
+
+
+def author_year_labels(app: Sphinx, config: object) -> None:
+    """Bibliography entries labelled as cited in the text: "Huang et al., 2019", not [HCB+19]."""
+    _bibliography_style()
     config.bibtex_default_style = "nnxscale"
+
+
+def citation_labels(bib: Path) -> dict[str, str]:
+    """Each entry of `bib` and its label, as the references page (`:all:`) labels it."""
+    from pybtex.database import parse_file
+
+    style = _bibliography_style()()
+    entries = style.sort(parse_file(bib).entries.values())
+    return dict(zip([entry.key for entry in entries], style.format_labels(entries), strict=True))
 
 
 def glossary_terms_any_case(app: Sphinx, env: BuildEnvironment) -> None:
@@ -496,6 +527,7 @@ def setup(app: Sphinx) -> dict[str, object]:
     app.connect("doctree-read", link_literals)
     app.connect("env-updated", glossary_terms_any_case)
     app.connect("doctree-resolved", number_figure_links)
+    app.connect("html-page-context", colab_opens_its_notebook, priority=502)  # after the theme
     app.add_js_file("nnxscale-search.js")
     app.add_js_file("nnxscale-tables.js")
     app.connect("doctree-resolved", defer_treescope)
