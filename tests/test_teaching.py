@@ -100,12 +100,64 @@ def test_ends_with_takeaways_then_problems(md: Path) -> None:
     assert len(re.findall(r"^- ", takeaways, re.M)) >= 3
 
 
+CHECKS = "The checks (they hold the answers)"
+REASONING = ("(derive)", "(predict, then measure)", "(try it)")
+"""How a problem that asks for reasoning no cell prints is marked, after its number."""
+ANSWERED_BY_THE_BOOK = {
+    "01_device_meshes", "03_sharded_init", "04_training_strategies", "05_orbax_resharding",
+    "06_fsdp_from_scratch", "07_pipeline_schedules", "08_multi_process",
+    "09_sequence_and_context_parallelism", "10_expert_parallelism", "11_where_the_time_goes",
+    "12_choosing_a_strategy", "A1_your_own_model", "A2_when_it_breaks",
+}  # fmt: skip
+"""Chapters whose problems are still answered by a hidden cell alone, not checked on an answer
+the reader writes (issue 54, in progress): this set only shrinks."""
+
+
 @pytest.mark.parametrize("md", CHAPTERS, ids=NAMES)
+def test_the_reader_answers_each_problem_and_a_check_judges_it(md: Path) -> None:
+    """After a folded cell of checks, each "**Problem k.**" is followed by the reader's cell
+    (`answer = None`, then `checks[k](answer)`, which prints right or a hint) and by its
+    solution folded under "Answer to problem k", which `checks[k].proves` against the check
+    with wrong answers it must refuse. At least half of the problems ask for reasoning no cell
+    prints (`REASONING`); one at least is "(try it)", whose check reads the reader's edit."""
+    if md.stem in ANSWERED_BY_THE_BOOK:
+        pytest.skip("problems still in the old form (issue 54)")
+    problems = sections(md)["Problems"]
+    code = [c for c in problems if c.cell_type == "code"]
+    assert prompt(code[0]) == CHECKS and tags(code[0]) == {"hide-cell"}
+    assert re.search(r"^checks = \{", code[0].source, re.M)
+    found, reasoning, tries = 0, 0, 0
+    for i, cell in enumerate(problems):
+        head = re.match(r"\*\*Problem (\d+)( \([^)]*\))?\.\*\*", cell.source)
+        if cell.cell_type != "markdown" or not head:
+            continue
+        found += 1
+        assert int(head[1]) == found, cell.source[:60]
+        kind = (head[2] or "").strip()
+        reasoning += kind in REASONING
+        mine, solution = problems[i + 1], problems[i + 2]
+        assert mine.cell_type == "code" and not tags(mine) & HIDDEN, mine.source
+        assert re.match(r"answer = None  # \S", mine.source), mine.source
+        call = re.search(rf"^checks\[{found}\]\(answer(, .+)?\)$", mine.source, re.M)
+        assert call, mine.source
+        if kind == "(try it)":
+            tries += 1
+            assert call[1], "a try-it check is given the object the reader edited"
+        assert tags(solution) == {"hide-cell"}, solution.source[:60]
+        assert prompt(solution) == ANSWER.format(found), prompt(solution)
+        last = ast.parse(solution.source).body[-1]
+        assert isinstance(last, ast.Expr) and f"checks[{found}].proves(" in ast.unparse(last)
+    assert found >= MIN_PROBLEMS, f"{found} problems"
+    assert 2 * reasoning >= found, f"{reasoning} of {found} ask for reasoning: mark or rewrite"
+    assert tries >= 1, "one problem asks the reader to change a parameter and run a cell"
+
+
+@pytest.mark.parametrize("md", [c for c in CHAPTERS if c.stem in ANSWERED_BY_THE_BOOK],
+                         ids=lambda c: c.stem)  # fmt: skip
 def test_problems_have_answers_computed_and_asserted_by_a_hidden_cell(md: Path) -> None:
-    """Each problem is a markdown cell "**Problem k.**" followed by its answer: a code cell
-    folded whole (`hide-cell`) under "Answer to problem k", which asserts the answer against
-    the library or the compiled program and shows it. One problem at least asks the reader to
-    change a parameter and run a cell ("(try it)")."""
+    """The old form, until each chapter moves to the new: each problem is followed by its
+    answer, a cell folded whole (`hide-cell`) under "Answer to problem k" that asserts the
+    answer against the library or the compiled program and shows it."""
     problems = sections(md)["Problems"]
     found = 0
     tries = 0

@@ -22,7 +22,7 @@ from nnxscale.analysis import comm, hlo, program
 from nnxscale.analysis.hlo import collectives
 from nnxscale.checkpoint import integrity, multi
 from nnxscale.checkpoint.store import Checkpoints
-from nnxscale.core import memory, show, trees
+from nnxscale.core import memory, problems, show, trees
 from nnxscale.core.memory import CompiledMemory
 from nnxscale.costs import activations, calculator, formula, planner
 from nnxscale.costs.planner import plan
@@ -112,7 +112,7 @@ MODULES = (
     activations, agree, annotations, calculator, checkpoint, cli, comm, compiling, configs,
     context, costs, data, devices, diagnose, dropless, environment, events, figures, formula,
     fsdp, growth, hlo, init, integrity, launch, layout, losses, machine, memory, mesh, model,
-    moe, multi, naming, overlap, params, pipeline, planner, preemption, profiles, program,
-    rounds, rules, schedules, show, train, trees,
+    moe, multi, naming, overlap, params, pipeline, planner, preemption, problems, profiles,
+    program, rounds, rules, schedules, show, train, trees,
 )  # fmt: skip
 """The modules, each reached as `nx.<module>`: the rest of the library, spelled with its home."""
