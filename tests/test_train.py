@@ -227,6 +227,21 @@ def test_role_bytes_split_what_each_zero_stage_splits() -> None:
     }
 
 
+def test_role_bytes_plan_for_devices_this_machine_has_not() -> None:
+    from nnxscale.model import Config, count_params
+    from nnxscale.placement.init import abstract
+    from nnxscale.placement.rules import ZERO2
+    from nnxscale.train import role_bytes
+
+    small = Config(vocab=64, embed=32, heads=2, head_dim=16, mlp=64, layers=1, max_len=8)
+    params = 4 * count_params(abstract(lambda: create(small)))
+    held = role_bytes(lambda: create(small), [ZERO2, FSDP], devices=32)["ZeRO-2"]
+    assert held == {"params": params, "grads": params // 32, "optimizer": 2 * params // 32 + 4}
+    assert role_bytes(lambda: create(small), [DP], devices=32) == role_bytes(
+        lambda: create(small), [DP]
+    )  # DP splits nothing, on any count
+
+
 def test_evaluations_compile_with_the_trainer_s_options() -> None:
     run = trainer(DP, options=TrainOptions(compiler_options={"xla_no_such_option": True}))
     with pytest.raises(Exception, match="xla_no_such_option"):

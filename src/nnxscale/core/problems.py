@@ -81,8 +81,9 @@ class Check:
         taken = [answer for answer in refused if self(answer, *given).right]
         if taken:
             raise AssertionError(f"problem {self.problem}: the check takes wrong answers {taken}")
+        ones = "one" if len(refused) == 1 else "ones"
         return Markdown(
-            f"{why}\n\n*The check takes this answer and refuses {len(refused)} wrong ones.*"
+            f"{why}\n\n*The check takes this answer and refuses {len(refused)} wrong {ones}.*"
         )
 
 

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
-from jax.sharding import NamedSharding
+from jax.sharding import AbstractMesh, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from nnxscale.core.trees import flat
@@ -326,12 +326,20 @@ def role_bytes(
     create: Callable[[], nnx.Module],
     rule_sets: Sequence[Rules],
     tx: optax.GradientTransformation | None = None,
+    *,
+    devices: int | None = None,
 ) -> dict[str, dict[str, int]]:
     """Bytes each device holds of a model's parameters, their gradients and its optimizer's
     state (`tx`, default `adamw()`: two moments and a step count) under each rule set, on
     its own mesh (`strategy_mesh`), by rule set name and role: each role laid out as a step
     holds it, which is what DP, ZeRO-1, ZeRO-2 and FSDP differ in. From abstract arrays, so
-    a model of any size costs no memory."""
+    a model of any size costs no memory; with `devices`, on a mesh of that many devices
+    that need not exist (its shape and names alone), to plan for a machine not at hand."""
+
+    def mesh(rules: Rules) -> Mesh | AbstractMesh:
+        if devices is None:
+            return strategy_mesh(rules)
+        return AbstractMesh(rules.mesh_shape(devices), rules.axes)
 
     def model_and_optimizer() -> tuple[nnx.Module, nnx.Optimizer]:
         model = create()
@@ -344,7 +352,7 @@ def role_bytes(
         warnings.simplefilter("ignore", ReplicationWarning)
         return {
             rules.name: {
-                role: resolve(tree, rules, strategy_mesh(rules), role=role).bytes_per_device()
+                role: resolve(tree, rules, mesh(rules), role=role).bytes_per_device()
                 for role, tree in trees.items()
             }
             for rules in rule_sets
