@@ -95,3 +95,11 @@ def test_a_check_refuses_to_expect_a_number_that_is_not_finite() -> None:
         problems.number("9.9", math.nan, hint="h")
     with pytest.raises(ValueError, match="at least one case"):
         problems.function("9.9", abs, [], hint="h")
+
+
+def test_an_exact_answer_compares_lists_and_tuples_alike() -> None:
+    check = problems.exact("8.1", [128, 192], hint="h", near={(0, 64): "host 0's rows"})
+    assert check((128, 192)).right and check([128, 192]).right
+    assert not check([128, 191]).right and "host 0's rows" in check([0, 64]).text
+    edited = problems.exact("8.4", lambda plan: plan[3], hint="h")
+    assert edited([6, 8], [[0, 2], [2, 4], [4, 6], [6, 8]]).right

@@ -165,6 +165,20 @@ def choice(
     return Check(problem, judge, hint, dict(near or {}))
 
 
+def exact(
+    problem: str, expected: Any, *, hint: str, near: Mapping[Any, str] | None = None
+) -> Check:
+    """A check of an answer that must equal `expected`: a list of numbers or of names, say
+    (a list and a tuple compare alike, names without case); `expected` may be a function of
+    what the reader's cell gives (a "try it" problem)."""
+
+    def judge(answer: Any, *given: Any) -> str | None:
+        want = expected(*given) if callable(expected) else expected
+        return None if _normal(answer) == _normal(want) else f"{answer!r} is not it"
+
+    return Check(problem, judge, hint, dict(near or {}))
+
+
 def function(
     problem: str,
     reference: Callable[..., Any],
