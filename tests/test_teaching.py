@@ -120,9 +120,10 @@ def test_the_reader_answers_each_problem_and_a_check_judges_it(md: Path) -> None
     if md.stem in ANSWERED_BY_THE_BOOK:
         pytest.skip("problems still in the old form (issue 54)")
     problems = sections(md)["Problems"]
-    code = [c for c in problems if c.cell_type == "code"]
-    assert prompt(code[0]) == CHECKS and tags(code[0]) == {"hide-cell"}
-    assert re.search(r"^checks = \{", code[0].source, re.M)
+    first = next(i for i, c in enumerate(problems) if c.source.startswith("**Problem 1"))
+    checks = [c for c in problems[:first] if c.cell_type == "code" and prompt(c) == CHECKS]
+    assert len(checks) == 1 and tags(checks[0]) == {"hide-cell"}, "one folded cell of checks"
+    assert re.search(r"^checks = \{", checks[0].source, re.M)
     found, reasoning, tries = 0, 0, 0
     for i, cell in enumerate(problems):
         head = re.match(r"\*\*Problem (\d+)( \([^)]*\))?\.\*\*", cell.source)
