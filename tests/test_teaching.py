@@ -1,6 +1,6 @@
 """Every chapter teaches before it proves: the reader's problem and a picture first, short
-teaching cells, long checks folded under a named toggle, takeaways, and problems whose
-answers a hidden cell computes and asserts."""
+teaching cells, long checks folded under a named toggle, takeaways, and problems the reader
+answers and a check judges."""
 
 from __future__ import annotations
 
@@ -103,11 +103,6 @@ def test_ends_with_takeaways_then_problems(md: Path) -> None:
 CHECKS = "The checks (they hold the answers)"
 REASONING = ("(derive)", "(predict, then measure)", "(try it)")
 """How a problem that asks for reasoning no cell prints is marked, after its number."""
-ANSWERED_BY_THE_BOOK = {
-    "A2_when_it_breaks",
-}  # fmt: skip
-"""Chapters whose problems are still answered by a hidden cell alone, not checked on an answer
-the reader writes (issue 54, in progress): this set only shrinks."""
 
 
 @pytest.mark.parametrize("md", CHAPTERS, ids=NAMES)
@@ -117,8 +112,6 @@ def test_the_reader_answers_each_problem_and_a_check_judges_it(md: Path) -> None
     solution folded under "Answer to problem k", which `checks[k].proves` against the check
     with wrong answers it must refuse. At least half of the problems ask for reasoning no cell
     prints (`REASONING`); one at least is "(try it)", whose check reads the reader's edit."""
-    if md.stem in ANSWERED_BY_THE_BOOK:
-        pytest.skip("problems still in the old form (issue 54)")
     problems = sections(md)["Problems"]
     first = next(i for i, c in enumerate(problems) if c.source.startswith("**Problem 1"))
     checks = [c for c in problems[:first] if c.cell_type == "code" and prompt(c) == CHECKS]
@@ -147,34 +140,6 @@ def test_the_reader_answers_each_problem_and_a_check_judges_it(md: Path) -> None
         assert isinstance(last, ast.Expr) and f"checks[{found}].proves(" in ast.unparse(last)
     assert found >= MIN_PROBLEMS, f"{found} problems"
     assert 2 * reasoning >= found, f"{reasoning} of {found} ask for reasoning: mark or rewrite"
-    assert tries >= 1, "one problem asks the reader to change a parameter and run a cell"
-
-
-@pytest.mark.parametrize("md", [c for c in CHAPTERS if c.stem in ANSWERED_BY_THE_BOOK],
-                         ids=lambda c: c.stem)  # fmt: skip
-def test_problems_have_answers_computed_and_asserted_by_a_hidden_cell(md: Path) -> None:
-    """The old form, until each chapter moves to the new: each problem is followed by its
-    answer, a cell folded whole (`hide-cell`) under "Answer to problem k" that asserts the
-    answer against the library or the compiled program and shows it."""
-    problems = sections(md)["Problems"]
-    found = 0
-    tries = 0
-    for i, cell in enumerate(problems):
-        if cell.cell_type != "markdown":
-            continue
-        head = re.match(r"\*\*Problem (\d+)", cell.source)
-        if not head:
-            continue
-        found += 1
-        assert int(head[1]) == found, cell.source[:60]
-        tries += "(try it)" in cell.source.split("\n", 1)[0]
-        answer = problems[i + 1]
-        assert answer.cell_type == "code" and tags(answer) == {"hide-cell"}, cell.source[:60]
-        assert prompt(answer) == ANSWER.format(found), prompt(answer)
-        assert re.search(r"\bassert\b|np\.testing\.", answer.source), answer.source[:80]
-        last = ast.parse(answer.source).body[-1]
-        assert isinstance(last, ast.Expr), "the answer cell ends by showing the answer"
-    assert found >= MIN_PROBLEMS, f"{found} problems"
     assert tries >= 1, "one problem asks the reader to change a parameter and run a cell"
 
 
