@@ -90,10 +90,61 @@ def test_the_colab_kernel_has_a_kernel_and_nothing_else(colab: dict[str, Path]) 
     assert run([str(python), "-c", "import ipykernel, IPython"], check=False).returncodes == [0]
 
 
+DEEPER = ("MODEL = nx.model.BENCH ", "MODEL = nx.model.BENCH.replace(layers=32) ")
+TRY_IT = {  # chapter: (problem, cell's text, its edit, the answer right after it, at 8 devices)
+    "01_device_meshes": (4, 'spec = P("data", None)', 'spec = P(None, "model")', "4"),
+    "02_logical_axis_rules": (
+        4,
+        'edited", logical={**nx.FSDP.logical, "embed": ("data",)}',
+        'edited", logical={**nx.FSDP.logical, "embed": ()}',
+        "156_928",
+    ),
+    "03_sharded_init": (4, *DEEPER, "2"),
+    "04_training_strategies": (4, *DEEPER, '{"FSDP"}'),
+    "05_orbax_resharding": (
+        4,
+        "new_rules, new_mesh = nx.TP, nx.strategy_mesh(nx.TP)",
+        "new_rules, new_mesh = nx.FSDP, nx.strategy_mesh(nx.FSDP, 2)",
+        "1_116_692",
+    ),
+    "06_fsdp_from_scratch": (4, "LAYERS, N = cfg.layers, d", "LAYERS, N = 32, 256", "23_664_510"),
+    "07_pipeline_schedules": (4, "M = 16 ", "M = 32 ", "3 / 35"),
+    "08_multi_process": (4, "PROCESSES = 2 ", "PROCESSES = 4 ", "[12, 16]"),
+    "09_sequence_and_context_parallelism": (5, "LENGTH = 4096 ", "LENGTH = 16_384 ", "16"),
+    "10_expert_parallelism": (5, "FACTOR = 1.0 ", "FACTOR = 1.5 ", "52"),
+    "11_where_the_time_goes": (5, "rows_per_device = 16\n", "rows_per_device = 64\n", "458_752"),
+    "12_choosing_a_strategy": (
+        5,
+        'seven_8 = nx.plan(seven, 8, "H100", global_batch=64, seq=4096)',
+        'seven_8 = nx.plan(seven, 8, "H100", global_batch=64, seq=4096, memory_per_device=40e9)',
+        "16",
+    ),
+    "A1_your_own_model": (
+        5,
+        "tp_names = proposal.rules(nx.TP)",
+        'tp_names = proposal.edit("blocks/0/up", ("embed", None)).rules(nx.TP)',
+        "27_072",
+    ),
+    "A2_when_it_breaks": (3, "heads=3, kv_heads=1)", "heads=4, kv_heads=1)", '{"key", "value"}'),
+}
+"""Each chapter's "try it" problem as a reader follows it: the cell the problem names, the edit
+it asks for, and the answer that is right once the edited cell has run."""
+
+
+def run_cell(client: NotebookClient, notebook, cell) -> str:
+    """Run `cell` again in the running kernel, as a reader does; its text and Markdown."""
+    client.execute_cell(cell, notebook.cells.index(cell))
+    return "".join(
+        o.get("text", "") + o.get("data", {}).get("text/markdown", "") for o in cell.outputs
+    )
+
+
 @pytest.mark.parametrize("md", CHAPTERS, ids=[c.stem for c in CHAPTERS])
-def test_run_all_as_on_colab(
+def test_run_all_as_on_colab_then_try_it(
     colab: dict[str, Path], md: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """Run all; then the try-it problem: its right answer is refused before the edit the
+    problem asks for, and taken once the edited cell has run again."""
     monkeypatch.setenv("JUPYTER_PATH", str(colab["jupyter"]))
     monkeypatch.delenv("NNXSCALE_DEVICES", raising=False)
     monkeypatch.delenv("NNXSCALE_BOOK_BUILD", raising=False)
@@ -103,10 +154,23 @@ def test_run_all_as_on_colab(
         "print(jax.device_count(), jax.devices()[0].platform, nnxscale.__file__)"
     )
     notebook.cells.append(check)  # after "Run all": what did the notebook run on?
-    NotebookClient(
+    client = NotebookClient(
         notebook, kernel_name="colab", timeout=600,
         resources={"metadata": {"path": str(colab["content"])}},
-    ).execute()  # fmt: skip
-    count, platform, location = check.outputs[0]["text"].split()
-    assert (count, platform) == ("8", "cpu")
-    assert str(colab["venv"]) in location  # installed by the setup cell into the throwaway venv
+    )  # fmt: skip
+    problem, before, after, answer = TRY_IT[md.stem]
+    with client.setup_kernel():
+        for index, cell in enumerate(notebook.cells):
+            client.execute_cell(cell, index)
+        count, platform, location = check.outputs[0]["text"].split()
+        assert (count, platform) == ("8", "cpu")
+        assert str(colab["venv"]) in location  # installed by the setup cell, in the venv
+        code = [c for c in notebook.cells if c.cell_type == "code"]
+        (mine,) = [c for c in code if f"checks[{problem}](answer" in c.source]
+        (edited,) = [c for c in code if before in c.source]
+        mine.source = mine.source.replace("answer = None", f"answer = {answer}", 1)
+        assert "**right.**" not in run_cell(client, notebook, mine)  # not before the edit
+        edited.source = edited.source.replace(before, after)
+        run_cell(client, notebook, edited)
+        verdict = run_cell(client, notebook, mine)
+        assert "**right.**" in verdict, verdict

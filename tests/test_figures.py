@@ -470,3 +470,33 @@ def test_the_links_each_axis_crosses_are_drawn_from_the_recorded_report() -> Non
     assert "replica=1\ndata=3" in texts and "process 1 (a host)" in texts
     dashed = [line for line in ax.lines if line.get_linestyle() == "--"]
     assert len(dashed) == 4  # one slow link for each device of the second process
+
+
+def test_sequence_parallelism_joins_its_regions_as_its_rules_say() -> None:
+    from nnxscale.figures import plot_sequence_parallel
+    from nnxscale.placement.rules import SP, TP
+
+    fig = plot_sequence_parallel([TP, SP], model=4)
+    tp, sp = ([t.get_text() for t in ax.texts] for ax in fig.axes)
+    assert tp.count("all-reduce") == 2 and "all-gather" not in tp  # partial sums added
+    assert sp.count("all-gather") == 2 and sp.count("reduce-scatter") == 2
+    # SP's residual regions hold a quarter of the sequence a device, TP's all of it
+    heights = [
+        {round(p.get_height(), 3) for p in ax.patches if p.get_facecolor()[:3] != (0.92,) * 3}
+        for ax in fig.axes
+    ]
+    assert heights == [{1.0}, {1.0, 0.25}]
+    matplotlib.pyplot.close(fig)
+
+
+def test_the_collective_matmul_passes_each_block_once_around_the_ring() -> None:
+    from nnxscale.figures import plot_collective_matmul
+
+    fig = plot_collective_matmul(4)
+    held = [t.get_text() for t in fig.axes[0].texts if t.get_text().startswith("rows of")]
+    by_step = [held[4 * s : 4 * s + 4] for s in range(4)]
+    assert by_step[0] == [f"rows of {d}" for d in range(4)]  # its own rows first
+    assert by_step[1] == ["rows of 3", "rows of 0", "rows of 1", "rows of 2"]
+    assert all(sorted(row) == sorted(by_step[0]) for row in by_step)  # each block once a step
+    assert len(fig.axes[0].patches) == 16
+    matplotlib.pyplot.close(fig)

@@ -1,5 +1,6 @@
 """The book's figures, drawn from the library's own objects."""
 
+from nnxscale.figures.activations import plot_collective_matmul, plot_sequence_parallel
 from nnxscale.figures.checkpoints import plot_restore, plot_saves
 from nnxscale.figures.drawing import SUM, matrix_view
 from nnxscale.figures.failures import plot_failures
@@ -36,6 +37,7 @@ __all__ = [
     "block_sources",
     "matrix_view",
     "plot_bubbles",
+    "plot_collective_matmul",
     "plot_collectives",
     "plot_data_parallel",
     "plot_dispatch",
@@ -54,6 +56,7 @@ __all__ = [
     "plot_roofline",
     "plot_rule_sets",
     "plot_saves",
+    "plot_sequence_parallel",
     "plot_sharding",
     "plot_shardings",
     "plot_shares",

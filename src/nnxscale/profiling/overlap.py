@@ -32,6 +32,12 @@ def _ring(n: int) -> list[tuple[int, int]]:
     return [(i, (i + 1) % n) for i in range(n)]
 
 
+def held_block(device: int | jax.Array, step: int, n: int) -> int | jax.Array:
+    """Whose rows `device` holds at `step` of the collective matmul's ring of `n`: each
+    step every device passes its block on to device + 1, so it holds device - step's."""
+    return (device - step) % n
+
+
 def collective_matmul_block(x: jax.Array, w: jax.Array, axis: str) -> jax.Array:
     """Inside `shard_map`: this device's columns of `all_gather(x, axis) @ w`, computed in
     N steps. At step s the device holds the rows that device i - s started with: it sends
@@ -42,7 +48,7 @@ def collective_matmul_block(x: jax.Array, w: jax.Array, axis: str) -> jax.Array:
     block = x
     for step in range(n):
         following = jax.lax.ppermute(block, axis, _ring(n)) if step < n - 1 else None
-        owner = (i - step) % n
+        owner = held_block(i, step, n)
         out = jax.lax.dynamic_update_slice_in_dim(out, block @ w, owner * rows, axis=0)
         block = following
     return out
