@@ -144,7 +144,8 @@ def test_run_all_as_on_colab_then_try_it(
     colab: dict[str, Path], md: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Run all; then the try-it problem: its right answer is refused before the edit the
-    problem asks for, and taken once the edited cell has run again."""
+    problem asks for, and taken once the edited cell has run again; and its solution, opened
+    after the edit, still runs (it proves itself on its own edit, not the reader's)."""
     monkeypatch.setenv("JUPYTER_PATH", str(colab["jupyter"]))
     monkeypatch.delenv("NNXSCALE_DEVICES", raising=False)
     monkeypatch.delenv("NNXSCALE_BOOK_BUILD", raising=False)
@@ -174,3 +175,5 @@ def test_run_all_as_on_colab_then_try_it(
         run_cell(client, notebook, edited)
         verdict = run_cell(client, notebook, mine)
         assert "**right.**" in verdict, verdict
+        solution = notebook.cells[notebook.cells.index(mine) + 1]
+        assert "The check takes this answer" in run_cell(client, notebook, solution)

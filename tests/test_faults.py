@@ -37,6 +37,8 @@ where it is tested (this module unless named). "open" cases still do what they d
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import json
 import re
 import shutil
@@ -208,6 +210,23 @@ def test_a_damaged_step_is_refused_and_restore_falls_back(saved, copy, kind) -> 
     assert checksums(restore(copy, step=1).state) == saved["sums"][1]  # nothing else lost
 
 
+@contextlib.contextmanager
+def abandoned_reads() -> typing.Iterator[None]:
+    """Orbax leaves the reads of a restore it gave up on (a missing file) as coroutines that
+    fail when collected, on an event loop since closed; collect them here, and let nothing
+    else through unseen."""
+    seen = []
+    hook, sys.unraisablehook = sys.unraisablehook, seen.append
+    try:
+        yield
+        gc.collect()
+    finally:
+        sys.unraisablehook = hook
+    ours = ("_read_array_index_and_device_put", "Event loop is closed")  # their loop's end
+    others = [u for u in seen if not any(m in f"{u.object!r} {u.exc_value}" for m in ours)]
+    assert others == [], others
+
+
 @pytest.mark.slow
 def test_bit_flips_anywhere_in_array_data_never_restore_wrong_values(saved, copy) -> None:
     """25 single-bit flips spread over every byte of the step's data files: each ends in an
@@ -227,23 +246,25 @@ def test_bit_flips_anywhere_in_array_data_never_restore_wrong_values(saved, copy
         return "exact"
 
     read = set()  # the files a restore needs: without one, it is refused
-    for path in files:
-        original = path.read_bytes()
-        path.unlink()
-        if outcome() == "refused":
-            read.add(path)
-        path.write_bytes(original)
+    with abandoned_reads():
+        for path in files:
+            original = path.read_bytes()
+            path.unlink()
+            if outcome() == "refused":
+                read.add(path)
+            path.write_bytes(original)
     outcomes = {path: [] for path in files}
     total = sum(p.stat().st_size for p in files)
-    for position in np.linspace(0, total - 1, 25).astype(int).tolist():
-        for path in files:
-            if position < path.stat().st_size:
-                break
-            position -= path.stat().st_size
-        original = path.read_bytes()
-        flip(path, position, bit=position % 8)
-        outcomes[path].append(outcome())
-        path.write_bytes(original)
+    with abandoned_reads():
+        for position in np.linspace(0, total - 1, 25).astype(int).tolist():
+            for path in files:
+                if position < path.stat().st_size:
+                    break
+                position -= path.stat().st_size
+            original = path.read_bytes()
+            flip(path, position, bit=position % 8)
+            outcomes[path].append(outcome())
+            path.write_bytes(original)
     # which files hold superseded nodes or values, and how large each is, depends on the
     # order in which the writer's threads finish: the claims are made per file
     unread = [o for path in files if path not in read for o in outcomes[path]]
