@@ -116,6 +116,40 @@ def test_the_shared_cache_is_locked_and_absolute(tmp_path, monkeypatch) -> None:
     assert filelock.FileLock
 
 
+def test_kernels_get_jemalloc_where_installed_and_nothing_else_is_preloaded(monkeypatch) -> None:
+    monkeypatch.setattr(ext, "find_library", lambda name: None)
+    assert ext.faster_malloc({}) == {}  # not installed: glibc's malloc, as before
+    monkeypatch.setattr(ext, "find_library", lambda name: f"lib{name}.so.2")
+    assert ext.faster_malloc({}) == {"LD_PRELOAD": "libjemalloc.so.2"}
+    assert ext.faster_malloc({"LD_PRELOAD": "libtcmalloc.so.4"}) == {}  # the reader's own
+    assert "libjemalloc2" in (ROOT / ".ci" / "setup").read_text()  # CI builds with it
+
+
+JEMALLOC_PROBE = """
+import json
+import nnxscale as nx
+nx.emulate_devices(4)
+import jax, jax.numpy as jnp
+maps = [line.split()[-1] for line in open("/proc/self/maps") if "jemalloc" in line]
+x = jnp.arange(64.0).reshape(8, 8)
+print(json.dumps({"jemalloc": bool(maps), "sum": float(jax.jit(lambda a: (a @ a).sum())(x))}))
+"""
+
+
+@pytest.mark.slow
+def test_a_kernel_under_jemalloc_loads_it_and_computes_alike() -> None:
+    if not ext.faster_malloc({}):
+        pytest.skip("jemalloc is not installed here (Debian: libjemalloc2; .ci/setup installs it)")
+    runs = [
+        json.loads(
+            launch.run([sys.executable, "-c", JEMALLOC_PROBE], env=env).text.splitlines()[-1]
+        )
+        for env in ({**os.environ, **ext.faster_malloc({})}, {**os.environ, "LD_PRELOAD": ""})
+    ]
+    assert [r["jemalloc"] for r in runs] == [True, False]
+    assert runs[0]["sum"] == runs[1]["sum"]
+
+
 def test_treescope_outputs_are_inserted_only_once_parsed() -> None:
     from docutils import nodes
     from docutils.utils import new_document

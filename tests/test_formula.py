@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import copy
 import json
+import math
+import pickle
+import random
 
 import pytest
 
@@ -44,3 +48,31 @@ def test_json_round_trips_every_term() -> None:
 def test_a_missing_size_is_named() -> None:
     with pytest.raises(KeyError, match=r"needs sizes \['model'\]"):
         (Formula.of("embed") / "model")({"embed": 4})
+
+
+def test_the_generated_evaluation_is_the_term_walk_bit_for_bit() -> None:
+    """Each term's product in `math.prod`'s order, times its coefficient, summed exactly:
+    what the cost model's numbers were before evaluation was generated."""
+    rng = random.Random(0)
+    names = sorted(SIZES)
+    for _ in range(200):
+        terms = {
+            tuple(
+                sorted({n: rng.choice([-2, -1, 1, 2, 3]) for n in rng.sample(names, k)}.items())
+            ): (rng.uniform(-1e3, 1e3))
+            for k in (0, 1, 2, 3, 5)
+        }
+        f = Formula(terms)
+        walked = math.fsum(
+            c * math.prod(float(SIZES[n]) ** p for n, p in powers) for powers, c in terms.items()
+        )
+        assert f(SIZES) == walked
+    assert Formula()(SIZES) == 0.0
+    assert Formula.of(float("inf"))({}) == float("inf")  # a coefficient no literal spells
+
+
+def test_an_evaluated_formula_pickles_and_copies_as_its_terms() -> None:
+    f = Formula.product(["embed", "vocab"], 2) / "data"
+    value = f(SIZES)  # its evaluation is generated now
+    for again in (pickle.loads(pickle.dumps(f)), copy.deepcopy(f)):
+        assert again == f and again(SIZES) == value
