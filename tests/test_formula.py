@@ -59,7 +59,7 @@ def test_the_generated_evaluation_is_the_term_walk_bit_for_bit() -> None:
         terms = {
             tuple(
                 sorted({n: rng.choice([-2, -1, 1, 2, 3]) for n in rng.sample(names, k)}.items())
-            ): (rng.uniform(-1e3, 1e3))
+            ): rng.uniform(-1e3, 1e3)
             for k in (0, 1, 2, 3, 5)
         }
         f = Formula(terms)
