@@ -310,6 +310,9 @@ def test_every_strategy_of_the_table_builds_its_mesh() -> None:
         "EP",
         "FSDP+EP",
         "PP+FSDP+EP",
+        "FSDP+TP+SP",
+        "ZeRO-1+TP",
+        "PP+ZeRO-1+TP",
     }
     assert set(nx.RULE_SETS) == {"DP", "FSDP", "TP", "FSDP+TP"}
     shapes = {name: dict(nx.strategy_mesh(r).shape) for name, r in nx.rules.STRATEGIES.items()}
@@ -326,6 +329,8 @@ def test_every_strategy_of_the_table_builds_its_mesh() -> None:
     assert shapes["PP+TP"] == {"stage": 4, "data": 1, "model": 2}
     assert shapes["PP+FSDP+CP+TP"] == {"stage": 1, "fsdp": 2, "context": 2, "model": 2}
     assert shapes["FSDP+EP"] == {"data": 2, "expert": 4}
+    assert shapes["FSDP+TP+SP"] == shapes["ZeRO-1+TP"] == shapes["FSDP+TP"]
+    assert shapes["PP+ZeRO-1+TP"] == shapes["PP+FSDP+TP"]
     assert dict(nx.strategy_mesh(nx.auto_fsdp("x")).shape) == {"x": 8}
     with pytest.raises(nx.rules.RuleError, match="at most one of them -1"):
         nx.Rules("bad", {}, axes=("a", "b"), sizes=(-1, -1))

@@ -67,6 +67,13 @@ moments in bfloat16, 8-bit Adam's one byte per moment, and Adafactor, whose fact
 moment holds a row and a column per matrix (next to nothing per parameter)."""
 
 
+PLANNING = PRECISIONS["bfloat16 + float32 master, AdamW, bfloat16 gradients"]
+"""What the planner holds per parameter unless told otherwise: bfloat16 parameters and
+gradients, a float32 master copy and AdamW's two moments, 16 bytes (ZeRO's count; what
+Megatron-LM holds by default). The book's own Trainer, `PRECISIONS["the book: float32,
+AdamW, EMA"]`, holds 20 during a step."""
+
+
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 """Bytes per value of each compute dtype a `Config` may name."""
 
@@ -157,6 +164,22 @@ def step_flops(cfg: Config, sequences: float, seq: int, *, remat: bool | str = F
     return product_flops(remat_policy(remat), bool(cfg.experts), dropless=dropless)(sizes)
 
 
+def model_flops(cfg: Config, sequences: float, seq: int) -> float:
+    """The model FLOPs of one training step as the field counts them for MFU: 6 per matmul
+    parameter (the head's included, the looked-up embedding not) and token, plus causal
+    attention's two products once, forward and backward: 6 L b H D s^2 (half of the s^2
+    pairs). A mixture of experts counts the experts its tokens visit (`top_k`), not their
+    slots. What a kernel computes again (flash attention's backward, the block pairs on the
+    diagonal, remat) is hardware FLOPs (`step_flops`), not model FLOPs."""
+    c = counts(cfg)
+    matmul = c.matmul
+    if cfg.experts:
+        per_expert = 3 * cfg.embed * cfg.mlp
+        matmul -= cfg.layers * (cfg.experts - cfg.top_k) * per_expert
+    attention = 6 * cfg.layers * sequences * cfg.heads * cfg.head_dim * seq * seq
+    return 6 * matmul * sequences * seq + attention
+
+
 def model_sizes(cfg: Config, seq: int) -> dict[str, float]:
     """The model's sizes the formulas use, with the slots of each expert per group of `seq`
     tokens (`capacity`) for a mixture of experts."""
@@ -189,6 +212,46 @@ def model_sizes(cfg: Config, seq: int) -> dict[str, float]:
     return sizes
 
 
+LEDGERS = {
+    "program": "this library's program: what JAX's autodiff keeps for the book's Transformer, "
+    "gradients split as XLA splits them",
+    "fused": "fused kernels: flash attention, fused norms and SwiGLU intermediates in the "
+    "compute dtype, as Megatron-LM, torchtitan and MaxText keep them; states sharded as "
+    "flat padded buffers, gradients reduced by hand",
+}
+"""The memory ledgers by name, each in words (`nnxscale.costs.ledgers`)."""
+
+
+LOSSES = {
+    "fused": "a fused cross-entropy (flash-attention's, Liger's, Megatron-LM's "
+    "--cross-entropy-loss-fusion): the logits kept in the compute dtype, their gradient "
+    "written in their place",
+    "float32": "the logits cast to float32 for the loss (nanotron's, PyTorch's "
+    "cross_entropy on upcast logits): the compute-dtype logits, their float32 copy and "
+    "softmax kept, the float32 gradient beside them when the backward pass starts",
+}
+"""How the fused ledger's loss holds the logits (`Setup.loss`); the program ledger traces
+the book's own."""
+
+
+def check_ledger(name: str) -> str:
+    """`name` if it names a ledger; an error naming the choices otherwise."""
+    if name not in LEDGERS:
+        raise ValueError(
+            f"ledger={name!r}: use one of {', '.join(map(repr, LEDGERS))} "
+            f"({'; '.join(f'{k}: {v}' for k, v in LEDGERS.items())})"
+        )
+    return name
+
+
+OVERLAPPED = {
+    "collective matmul": "tensor parallelism's collectives split into ring steps, each behind "
+    "a piece of its product (Megatron-LM's --tp-comm-overlap, XLA's collective matmul)",
+    "parameter prefetch": "ZeRO's gather of updated parameters behind the next step's forward "
+    "pass (Megatron-LM's --overlap-param-gather)",
+}
+"""What a framework may overlap beyond what one compiled step can (`Setup.overlaps`)."""
+
 SCHEDULES = ("lockstep", "1F1B", "ZB-H1", "ZB-V")
 """How a pipeline runs its micro-batches: `lockstep`, the book's executor (one SPMD program
 whose ticks all stages run together, each stage rebuilt in its backward task, as MaxText and
@@ -220,6 +283,21 @@ class Setup:
     """Whether gradient accumulation reduces once per step (`train.unreduced_grads`: the
     weights read whole for the step, the micro-batches' partial sums added unreduced)
     instead of once per micro-batch."""
+    ledger: str = "program"
+    """The memory ledger (`LEDGERS`): this library's compiled program, or a trainer with
+    fused kernels (`nnxscale.costs.ledgers`)."""
+    overlaps: tuple[str, ...] = ()
+    """What the framework overlaps beyond one compiled step (`OVERLAPPED`)."""
+    loss: str = "fused"
+    """How the fused ledger's loss holds the logits (`LOSSES`)."""
+    regather: bool = True
+    """Under sequence parallelism, whether the fused ledger's products gather their inputs
+    again in the backward pass (Megatron-LM) or keep them gathered, whole over the tensor
+    axis (PyTorch's autograd unless told otherwise; nanotron's runs in the grid)."""
+    flat: bool = False
+    """Whether the framework shards its state as flat, padded buffers over the batch's axes
+    (PyTorch's FSDP, Megatron-LM's distributed optimizer, nanotron's ZeRO), so no dimension
+    need divide them; JAX shards each array along its dimensions, which must."""
 
     @classmethod
     def of(
@@ -232,6 +310,11 @@ class Setup:
         schedule: str = "lockstep",
         virtual: int = 1,
         reduce_once: bool = False,
+        ledger: str = "program",
+        overlaps: tuple[str, ...] = (),
+        loss: str = "fused",
+        regather: bool = True,
+        flat: bool = False,
     ) -> Setup:
         """A setup from a mesh given as {axis: size}, in the rule set's axis order."""
         unknown = sorted(set(mesh) - set(rules.axes))
@@ -263,6 +346,11 @@ class Setup:
             schedule,
             int(virtual),
             bool(reduce_once),
+            check_ledger(ledger),
+            _overlaps(overlaps),
+            _loss(loss),
+            bool(regather),
+            bool(flat),
         )
 
     @property
@@ -298,7 +386,23 @@ class Setup:
             return ""
         interleaved = self.virtual > 1 and self.schedule == "1F1B"
         virtual = f", {self.virtual} virtual stages" if interleaved else ""
-        return f", {self.schedule}{virtual}"
+        mpmd = " (needs a runtime of one program per stage)" if self.schedule[:2] == "ZB" else ""
+        return f", {self.schedule}{virtual}{mpmd}"
+
+
+def _loss(name: str) -> str:
+    """`name` if it names a loss (`LOSSES`); an error naming the choices otherwise."""
+    if name not in LOSSES:
+        raise ValueError(f"loss={name!r}: use one of {', '.join(map(repr, LOSSES))}")
+    return name
+
+
+def _overlaps(names: tuple[str, ...]) -> tuple[str, ...]:
+    """`names` sorted, each a key of `OVERLAPPED`; an error naming the choices otherwise."""
+    unknown = sorted(set(names) - set(OVERLAPPED))
+    if unknown:
+        raise ValueError(f"overlaps {unknown}: use some of {', '.join(map(repr, OVERLAPPED))}")
+    return tuple(sorted(set(names)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -399,15 +503,20 @@ def sizes_of(cfg: Config, setup: Setup, batch: int, seq: int) -> dict[str, float
         "interleaved": int(setup.virtual > 1 and setup.schedule == "1F1B"),
         **setup.sizes,
         "layers": _padded(cfg.layers, setup),
+        "flight": min(_stages(setup), setup.micro_batches),
     }
+
+
+def _stages(setup: Setup) -> int:
+    """A pipeline's stages: the size of the mesh axes that split the layers (1 without)."""
+    return math.prod(setup.sizes.get(a, 1) for a in setup.rules.axes_of("layers"))
 
 
 def _padded(layers: int, setup: Setup) -> int:
     """The layers a pipeline's busiest stage runs, times the stages and virtual stages: a
     stage count that does not divide the layers gives some stages one layer more, and the
     slowest stage sets the step's pace (Llama 3 405B's 126 layers ran as 16 stages of 8)."""
-    stages = math.prod(setup.sizes.get(a, 1) for a in setup.rules.axes_of("layers"))
-    chunks = stages * setup.virtual
+    chunks = _stages(setup) * setup.virtual
     return -(-layers // chunks) * chunks
 
 

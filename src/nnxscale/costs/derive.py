@@ -16,10 +16,9 @@ calculator (`nnxscale.calculator`), which only evaluates them.
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Iterable
 
-from nnxscale.costs.activations import DROPLESS, kept, mixture
+from nnxscale.costs.activations import DROPLESS, kept
 from nnxscale.costs.arrays import (
     PlacedArray,
     Transfer,
@@ -37,20 +36,19 @@ from nnxscale.costs.counts import (
     ROUTING,
     SIZES,
     STATE_BYTES,
-    Setup,
-    mixture_problem,
+    check_ledger,
     product_flops,
     products,
-    sizes_of,
 )
 from nnxscale.costs.coverage import unpriced
 from nnxscale.costs.formula import Formula
+from nnxscale.costs.ledgers import fused
 from nnxscale.costs.moves import (
     activation_transfers,
     context_axis,
     tensor_all_reduces,
 )
-from nnxscale.model.transformer import Config, remat_policy
+from nnxscale.model.transformer import remat_policy
 from nnxscale.placement.layout import ROUTED
 from nnxscale.placement.rules import Rules
 
@@ -93,6 +91,14 @@ class Costs:
     """Matmul FLOPs of attention's two products per device (what a ring's hops hide behind)."""
     schedule: str = "lockstep"
     """A pipeline's schedule (`nnxscale.costs.SCHEDULES`): what its memory and bubble are."""
+    in_place: bool = False
+    """Whether the optimizer updates in place from one gradient buffer that also sums the
+    micro-batches (a framework's fused AdamW, the fused ledger), rather than the compiled
+    step's gradient, running sum and update side by side."""
+    last_stage: Formula = dataclasses.field(default_factory=Formula)
+    """On a pipeline of one program per stage, what the last stage keeps when its backward
+    pass starts: its layers' values for one micro-batch, the logits and the loss (the first
+    stage keeps the most micro-batches in flight, `activations`, and no logits)."""
 
     def json(self) -> dict[str, object]:
         """Every formula and axis as JSON: what the calculator evaluates."""
@@ -106,10 +112,11 @@ class Costs:
         out["transfers"] = [t.json() for t in self.transfers]
         out["splits"] = [[size, list(axes)] for size, axes in self.splits]
         out["batch_axes"] = list(self.batch_axes)
+        out["in_place"] = self.in_place
         return out
 
 
-_DERIVED: dict[tuple[str, str, object, int, str, bool], Costs] = {}
+_DERIVED: dict[tuple[str, str, object, int, str, bool, str, str, bool], Costs] = {}
 
 
 def derive(
@@ -119,6 +126,9 @@ def derive(
     moe: int = 0,
     schedule: str = "lockstep",
     reduce_once: bool = False,
+    ledger: str = "program",
+    loss: str = "fused",
+    regather: bool = True,
 ) -> Costs:
     """The formulas of one training step of the book's Transformer under `rules`, in the
     model's sizes, `batch` (sequences per step), `seq`, `micro` (micro-batches) and the size
@@ -126,39 +136,65 @@ def derive(
     rule set, dtype, remat policy and MLP: dense, or a mixture of experts as
     `nnxscale.activations.mixture` says, whose formulas also use `experts`, `top_k` and
     `capacity`). A pipeline's formulas are those of its `schedule`; with `reduce_once`,
-    those of gradient accumulation that reduces once per step (`Setup.reduce_once`)."""
-    why = unpriced(rules, moe, schedule)
+    those of gradient accumulation that reduces once per step (`Setup.reduce_once`). The
+    memory is `ledger`'s (`nnxscale.costs.ledgers`: this library's program, or a trainer
+    with fused kernels, whose `loss` holds the logits as `nnxscale.costs.LOSSES` says and
+    whose products gather their inputs again under sequence parallelism, or not:
+    `regather`)."""
+    why = unpriced(rules, moe, schedule) or unledgered(rules, schedule, check_ledger(ledger))
     if why:
         raise ValueError(why)
-    key = (repr(rules), compute_dtype, remat_policy(remat), moe, schedule, reduce_once)
+    if ledger == "program":  # the program traces its own loss and gathers
+        loss, regather = "fused", True
+    policy = remat_policy(remat)
+    key = (repr(rules), compute_dtype, policy, moe, schedule, reduce_once, ledger, loss)
+    key += (regather,)
     if key not in _DERIVED:
         costs = _derive(rules, compute_dtype, remat, moe, schedule)
-        _DERIVED[key] = _reduced_once(costs, arrays_of(rules, bool(moe))) if reduce_once else costs
+        arrays = arrays_of(rules, bool(moe))
+        if ledger == "fused":
+            how = (loss, regather)
+            costs = fused(costs, rules, arrays, compute_dtype, policy, moe, how)
+        _DERIVED[key] = _reduced_once(costs, arrays, ledger) if reduce_once else costs
     return _DERIVED[key]
 
 
-def _reduced_once(costs: Costs, arrays: list[PlacedArray]) -> Costs:
-    """`costs` with gradient accumulation reducing once per step (`train.unreduced_grads`):
-    each weight gathered whole over the batch's axes once, before the micro-batches, in
-    float32, and held for the step beside its stored shard; the micro-batches' gradients
-    summed whole; one reduction after the last. Nothing precedes the gather or follows the
-    reduction in the step, so compute hides neither. A pipeline already reduces once."""
+def unledgered(rules: Rules, schedule: str, ledger: str) -> str:
+    """Why `ledger` has no formulas for a pipeline on `schedule`, or "": the fused ledger
+    prices the schedules frameworks run, one program per stage."""
+    if ledger == "fused" and rules.axes_of("layers") and schedule == "lockstep":
+        return (
+            "the fused ledger prices pipelines as frameworks run them, one program per stage "
+            "(schedule='1F1B', 'ZB-H1' or 'ZB-V'); the lockstep executor is this library's "
+            "program: ledger='program'"
+        )
+    return ""
+
+
+def _reduced_once(costs: Costs, arrays: list[PlacedArray], ledger: str = "program") -> Costs:
+    """`costs` with gradient accumulation reducing once per step. The program
+    (`train.unreduced_grads`) gathers each weight whole over the batch's axes once, before
+    the micro-batches, in float32, and holds it for the step beside its stored shard; sums
+    the micro-batches' gradients whole; reduces once after the last. Nothing precedes the
+    gather or follows the reduction in the step, so compute hides neither. A fused trainer
+    (DDP's `no_sync`) sums the gradients whole too, and reduces them in buckets during the
+    last micro-batch's backward pass, which hides them (`step_cost`). A pipeline already
+    reduces once."""
     if costs.stage_axis is not None:
         return costs
     rules = costs.rules
     whole = _stage_whole(arrays, set(rules.token_axes(rules.axes)))
     once = Formula.of(1)
+    program = ledger == "program"
     moved = [
-        dataclasses.replace(t, launches=once, overlap="blocking")
+        dataclasses.replace(t, launches=once, overlap="blocking" if program else t.overlap)
         for t in weight_transfers(arrays, rules, once, once, STATE_BYTES)
-        if t.overlap in ("gather", "reduce")
+        if t.overlap in ("gather", "reduce") and (program or t.overlap == "reduce")
     ]
-    kept = [t for t in costs.transfers if t.overlap not in ("gather", "reduce")]
+    kept = [t for t in costs.transfers if t.overlap not in ("reduce",) + ("gather",) * program]
+    weights = costs.weights + whole - costs.state["parameters"] if program else costs.weights
     return dataclasses.replace(
-        costs,
-        weights=costs.weights + whole - costs.state["parameters"],
-        accumulator=whole,
-        transfers=tuple(moved + kept),
+        costs, weights=weights, accumulator=whole, transfers=tuple(moved + kept)
     )
 
 
@@ -406,7 +442,8 @@ def _one_f_one_b(
     program per stage (`SCHEDULES`), with `virtual` stages per device: each device keeps
     its layers' activations (as `remat` says; with full remat each layer's input, split
     over the axes of Megatron's sequence parallelism) for the micro-batches in flight on
-    the first device: p, or interleaved p + (p - 1) / v (Korthikanti et al. 2022). It holds
+    the first device: p (fewer with fewer micro-batches: `flight`, min(p, m)), or
+    interleaved p + (p - 1) / v (Korthikanti et al. 2022). It holds
     its stage's weights and gradients whole in float32 (gathered once per step over an
     inner FSDP axis and reduce-scattered once, as Llama 3's FSDP inside stages), runs TP's
     all-reduces and a context ring's hops for its own layers in each of its passes, and
@@ -425,9 +462,11 @@ def _one_f_one_b(
     layer = split_kept(k.layer, k.on_stream("layer"), rules) + _layer_terms(blocks) / "layers"
     layer = per_micro_batch(layer)
     residual = [a for a in rules.axes_of("residual_length") if a != ring]  # Megatron's SP
-    in_flight = Formula.of(stage) + (Formula.of(stage) - 1) * "interleaved" / "virtual"
+    in_flight = Formula.of("flight") + (Formula.of("flight") - 1) * "interleaved" / "virtual"
     model = split_kept(k.model, k.on_stream("model"), rules) + blocks - _layer_terms(blocks)
-    activations = (layer * "layers").per([stage]) * in_flight + per_micro_batch(model)
+    stage_layers = (layer * "layers").per([stage])
+    loss = per_micro_batch(vocab_terms(model))
+    activations = stage_layers * in_flight + per_micro_batch(model) - loss
     head = per_micro_batch(split_by(Formula.product(["batch", "seq", "vocab"], LOGIT_BYTES), rules))
     once = Formula.of(1)
     transfers = weight_transfers(arrays, rules, once, once, STATE_BYTES)
@@ -446,7 +485,13 @@ def _one_f_one_b(
     flops = _device_flops(rules, arrays, policy, moe)
     parts = (activations, weights, rebuilt, head, transfers, flops)
     extra = _extra(rules, moe=moe, policy=policy)
-    return _stage_costs(common, *parts, **extra, schedule="1F1B")
+    return _stage_costs(common, *parts, **extra, schedule="1F1B", last_stage=stage_layers + loss)
+
+
+def vocab_terms(formula: Formula) -> Formula:
+    """The terms of `formula` over the vocabulary: the logits and the loss, which a
+    pipeline's last stage alone keeps."""
+    return Formula({p: c for p, c in formula.terms.items() if "vocab" in dict(p)})
 
 
 def _layer_terms(formula: Formula) -> Formula:
@@ -540,52 +585,3 @@ def _tensor_stage(arrays: list[PlacedArray]) -> str | None:
             if name == "layers" and axes:
                 return axes[0]
     return None
-
-
-def unsuitable(cfg: Config, setup: Setup, batch: int, seq: int) -> str:
-    """Why `setup` cannot run this model and batch as the cost model prices it, or ""."""
-    why = mixture_problem(cfg) or unpriced(setup.rules, mixture(cfg), setup.schedule)
-    if why:
-        return why
-    costs = derive(
-        setup.rules, cfg.compute_dtype, setup.remat, mixture(cfg), setup.schedule, setup.reduce_once
-    )
-    sizes = sizes_of(cfg, setup, batch, seq)
-    for size, axes in costs.splits:
-        n = math.prod(setup.sizes[a] for a in axes)
-        if sizes[size] % n and size != "layers":  # a pipeline's stages are padded
-            name = "x".join(axes)
-            return f"the {name} axis ({n}) does not divide {size} ({sizes[size]})"
-    split = math.prod(setup.sizes[a] for a in costs.batch_axes)
-    if batch % (split * setup.micro_batches):
-        parts = f"{setup.micro_batches} micro-batches x {split} devices"
-        return f"the batch of {batch} sequences does not split into {parts}"
-    ring = setup.sizes.get(costs.ring_axis, 1) if costs.ring_axis else 1
-    if costs.ring_axis and ring < 2:
-        return f"a context ring needs 2 or more devices on {costs.ring_axis!r}, not {ring}"
-    if seq % (2 * ring):
-        return f"{seq} tokens do not cut into 2 x {ring} chunks for the zig-zag ring"
-    if seq > cfg.max_len:
-        return f"sequences of {seq} tokens exceed the model's max_len ({cfg.max_len})"
-    stages = setup.sizes.get(costs.stage_axis, 1) if costs.stage_axis else 1
-    if setup.micro_batches < stages:
-        return f"{stages} stages need at least {stages} micro-batches (1F1B)"
-    if setup.schedule.startswith("ZB") and remat_policy(setup.remat) == "full":
-        return (
-            f"{setup.schedule} defers each W, which reads its products' inputs kept from B; "
-            "full remat rebuilds them inside B and would hold them until W: use remat='dots' "
-            "or none"
-        )
-    if setup.schedule == "ZB-V" and setup.micro_batches < 2 * stages - 1:
-        return (
-            f"ZB-V on {stages} stages fills its V with 2p - 1 = {2 * stages - 1} micro-batches, "
-            f"not {setup.micro_batches}: use more, or 1F1B or ZB-H1"
-        )
-    if setup.schedule == "1F1B" and setup.virtual > 1 and setup.micro_batches % stages:
-        return (
-            f"interleaved 1F1B needs micro-batches ({setup.micro_batches}) a multiple of the "
-            f"stages ({stages})"
-        )
-    if cfg.layers < stages * setup.virtual:
-        return f"{cfg.layers} layers do not fill {stages} stages x {setup.virtual} virtual stages"
-    return ""

@@ -36,8 +36,7 @@ class Placement:
     reason: str
     fallback: bool = False
     """Whether the array is split less than the rules intend: a dimension they asked to split
-    could not be (no candidate divides it), or it has no names in a rule set that splits
-    other arrays."""
+    could not be (no candidate divides it), or it has no names where others are split."""
 
     @property
     def pieces(self) -> int:
@@ -130,7 +129,10 @@ def _place(
     notes: list[str] = []
     short = False
     if role in rules.whole:
-        return chosen, f"{rules.name} keeps {role} whole", False
+        placed = _place(path, shape, logical, rules.replace(whole=()), mesh, role, flax)[0]
+        tokens = set(rules.token_axes(mesh.axis_names))
+        kept = [tuple(a for a in axes or () if a not in tokens) or None for axes in placed]
+        return kept, f"{rules.name} keeps {role} whole over the batch's axes", False
     if logical is not None and rules.annotations != "ignore":
         chosen, notes, short = _place_logical(path, shape, logical, rules, mesh, flax)
         if rules.auto_axis is None or rules.annotations == "use":
@@ -187,8 +189,7 @@ def _logical_names(leaf: Any, path: str, rules: Rules) -> tuple[str | None, ...]
 
 def flax_rules_of(leaf: Any) -> dict[str, object]:
     """Flax's logical rules for `leaf`: the active `nnx.logical_axis_rules` merged with the
-    variable's own `sharding_rules` metadata, by Flax's own merge (which refuses a name the
-    two map differently)."""
+    variable's own `sharding_rules`, by Flax's merge (refusing a name the two map apart)."""
     local = leaf.get_metadata().get("sharding_rules") if isinstance(leaf, nnx.Variable) else None
     return dict(composite_rules(get_logical_axis_rules(), local or ()))
 
@@ -437,8 +438,7 @@ def activation_rules(rules: Rules | None, mesh: Mesh | None = None):
 
 
 def _active() -> tuple[Rules, Mesh] | None:
-    """The active rules and mesh; none inside `jax.shard_map`, where each device's program
-    holds its own pieces and places nothing."""
+    """The active rules and mesh; none inside `jax.shard_map`, where each device places nothing."""
     if jax.sharding.get_abstract_mesh().manual_axes:
         return None
     return _ACTIVE.get()

@@ -59,8 +59,10 @@ class Rules:
     `"use"` places them by `logical` only, `"ignore"` treats them as unnamed, `"fill"` places
     them by `logical` and then splits their largest still-whole dimension over `auto_axis`.
     `strict` turns a dimension that should be split and cannot be into an error.
-    `whole` lists roles (`ROLES`) the rules do not split: ZeRO-1 is FSDP's rules with
-    parameters and gradients whole, ZeRO-2 with parameters whole.
+    `whole` lists roles (`ROLES`) the rules do not split over the batch's axes (data
+    parallelism; tensor, pipeline and expert axes still split them): ZeRO-1 is FSDP's rules
+    with parameters and gradients whole, ZeRO-2 with parameters whole, and ZeRO-1 inside
+    tensor parallelism keeps each parameter's tensor-parallel shard whole over `data`.
     `axes` and `sizes` describe the mesh (`strategy_mesh` builds it): an axis of size -1 takes
     the devices the others leave, one of size k takes the largest count up to k that divides
     what is left; without a -1 the sizes are the mesh's shape, for exactly that many devices.
@@ -364,6 +366,25 @@ ZERO2 = FSDP.replace(name="ZeRO-2", whole=("params",))
 """ZeRO stage 2: the optimizer state and the gradients split; parameters whole. (Stage 3,
 everything split, is FSDP.)"""
 
+FSDP_TP_SP = FSDP_TP.replace(
+    name="FSDP+TP+SP", logical={**FSDP_TP.logical, "residual_length": ("model",)}
+)
+"""FSDP+TP with Megatron's sequence parallelism: the residual stream split along its
+sequence over `model` too (torchtitan's 2D parallelism)."""
+
+ZERO1_TP = FSDP_TP.replace(
+    name="ZeRO-1+TP",
+    logical={**FSDP_TP.logical, "residual_length": ("model",)},
+    whole=("params", "grads"),
+)
+"""ZeRO-1 inside tensor parallelism with sequence parallelism, as Megatron-LM's distributed
+optimizer and nanotron run them: each parameter split over `model` alone, its optimizer
+state over `model` and `data`, the batch over `data`."""
+
+PP_ZERO1_TP = PP_FSDP_TP.replace(name="PP+ZeRO-1+TP", whole=("params", "grads"))
+"""`ZERO1_TP` inside pipeline stages: stages over `stage`, the optimizer state split over
+`fsdp` as well (the batch's axis), the parameters over `model` alone."""
+
 REPLICA = "replica"
 """The mesh axis across groups of devices (hosts) in hybrid sharding."""
 
@@ -497,6 +518,9 @@ STRATEGIES = {
         PP_FSDP,
         PP_FSDP_TP,
         PP_TP,
+        FSDP_TP_SP,
+        ZERO1_TP,
+        PP_ZERO1_TP,
         SP,
         CP,
         FSDP_CP,
