@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 
 from nnxscale import costs, planner
-from nnxscale.costs import runs
+from nnxscale.evidence import runs, table
 from nnxscale.model import TINY
 from nnxscale.model.configs import LLAMA3_405B
 from nnxscale.placement.rules import STRATEGIES
@@ -32,19 +32,26 @@ def test_tensor_parallelism_stays_inside_a_host() -> None:
 def test_a_fitting_plan_fits_with_the_headroom(seven: planner.Plan) -> None:
     assert seven.ranked and seven.best.fits
     for option in seven.ranked:
-        assert option.cost.peak * planner.HEADROOM <= 60e9  # JAX's 75% of an H100's 80 GB
+        assert option.cost.peak * planner.HEADROOM <= 72e9  # a tuned trainer's 90% of 80 GB
     times = [o.cost.step_time for o in seven.ranked]
     assert times == sorted(times)
     assert {o.strategy for o in seven.ranked} >= {"FSDP", "FSDP+TP", "TP"}
 
 
-def test_a_gpu_plan_fits_the_share_jax_preallocates_and_says_so(seven: planner.Plan) -> None:
-    """JAX gives arrays 75% of a GPU's memory by default: ZeRO-2 and the pipeline fit an
-    H100's 80 GB but not its 60, and the plan names the variable that changes it."""
-    assert seven.memory == 0.75 * 80e9 and not seven["ZeRO-2"].fits and not seven["PP"].fits
-    assert "XLA_CLIENT_MEM_FRACTION" in seven._repr_markdown_()
+def test_a_gpu_plan_fits_the_share_its_runtime_gives_and_says_so(seven: planner.Plan) -> None:
+    """Planned for a tuned trainer (the fused ledger), a GPU gives arrays 90% of its memory;
+    planned for this library's own program, JAX's default 75%: ZeRO-2 and the pipeline fit
+    an H100's 80 GB but not its 60, and the plan names the variable that changes it."""
+    assert seven.memory == 0.9 * 80e9 and "a tuned trainer's 90%" in seven._repr_markdown_()
+    assert "by the fused ledger" in seven._repr_markdown_()
+    own = planner.plan(costs.SEVEN_B, 8, "H100", global_batch=64, seq=4096,
+                       ledger="program", precision=costs.Precision())  # fmt: skip
+    assert own.memory == 0.75 * 80e9 and not own["ZeRO-2"].fits and not own["PP"].fits
+    assert "JAX's default 75%" in own._repr_markdown_()
+    assert "XLA_CLIENT_MEM_FRACTION" in own._repr_markdown_()
     whole = planner.plan(costs.SEVEN_B, 8, "H100", global_batch=64, seq=4096,
-                         memory_per_device=80e9)  # fmt: skip
+                         memory_per_device=80e9, ledger="program",
+                         precision=costs.Precision())  # fmt: skip
     assert whole["ZeRO-2"].fits and whole["PP"].fits
     assert "XLA_CLIENT_MEM_FRACTION" not in whole._repr_markdown_()
     tpu = planner.plan(costs.SEVEN_B, 8, "TPU v5p", global_batch=64, seq=4096)
@@ -52,8 +59,8 @@ def test_a_gpu_plan_fits_the_share_jax_preallocates_and_says_so(seven: planner.P
 
 
 def test_rejections_name_the_leanest_option_and_the_memory(seven: planner.Plan) -> None:
-    assert seven.rejected["DP"].startswith("needs 192.7 GB per device at its leanest (DP on data 8")
-    assert "of 60 GB" in seven.rejected["DP"]
+    assert seven.rejected["DP"].startswith("needs 133.1 GB per device at its leanest (DP on data 8")
+    assert "of 72 GB" in seven.rejected["DP"]
     assert "| rank |" in seven._repr_markdown_()
     with pytest.raises(KeyError, match="no option of rule set 'ZeRO-1'"):
         seven["ZeRO-1"]
@@ -120,15 +127,15 @@ MIXTURE = costs.SEVEN_B.replace(experts=8, top_k=2, capacity_factor=1.25, mlp=21
 def test_a_mixture_is_planned_with_expert_parallelism() -> None:
     """A mixture adds EP, FSDP+EP and PP+FSDP+EP, whose meshes put experts on an `expert`
     axis that divides them; rule sets the cost model does not price for a mixture (context
-    axes) are not tried, and a plan that names one says why; pipelines are priced on 1F1B
-    and zero-bubble schedules, not on the book's lockstep executor."""
+    axes) are not tried, and a plan that names one says why; pipelines are priced on 1F1B,
+    not on the book's lockstep executor (nor, unless asked, on zero-bubble schedules)."""
     mixed = planner.plan(MIXTURE, 64, "H100", global_batch=512, seq=4096)
     assert planner.planned(MIXTURE) == (
         *("DP", "ZeRO-2", "FSDP", "HSDP", "TP", "FSDP+TP", "PP", "PP+FSDP", "PP+FSDP+TP"),
         *("EP", "FSDP+EP", "PP+FSDP+EP"),
     )
     staged = [o for o in mixed.options if o.strategy.startswith("PP") and o.cost]
-    assert staged and all(o.setup.schedule != "lockstep" for o in staged)
+    assert staged and all(o.setup.schedule == "1F1B" for o in staged)
     tried = {o.strategy for o in mixed.options}
     assert {"EP", "FSDP+EP", "TP"} <= tried and "CP" not in tried
     ep = [o for o in mixed.options if o.strategy == "EP"]
@@ -192,9 +199,7 @@ def test_the_headline_plans_are_what_practitioners_run_and_near_ones_are_tied() 
 
 
 def test_the_tie_is_the_models_spread_between_layouts_of_one_model() -> None:
-    from nnxscale.costs import runs
-
-    factor, a, b = runs.spread()
+    factor, a, b = runs.spread(table.runs())
     assert (a.cfg, a.hardware) == (b.cfg, b.hardware) and a.mesh != b.mesh
     assert {a.name, b.name} == {"MaxText 1024B, 1 x v5p-2048", "MaxText 1024B, 1 x v5p-4096"}
     assert factor <= planner.TIE < factor + 0.01
@@ -203,63 +208,71 @@ def test_the_tie_is_the_models_spread_between_layouts_of_one_model() -> None:
 
 
 def test_a_device_count_no_plan_fits_is_refused_naming_counts_that_work() -> None:
-    odd = planner.plan(costs.SEVEN_B, 7, "H100", global_batch=7, seq=4096)
+    """Llama 3 8B on 7 H100s in this library's program: nothing divides 7 but a pipeline,
+    which the program runs on its lockstep executor only with a micro-batch per stage."""
+    odd = planner.plan(costs.SEVEN_B, 7, "H100", global_batch=7, seq=4096,
+                       ledger="program", precision=costs.Precision())  # fmt: skip
     with pytest.raises(ValueError, match=r"Device counts near 7 that have a plan .*: 8\."):
         _ = odd.best
     assert odd.nearest() == [8]
 
 
-def test_a_leaner_optimizer_state_lets_more_plans_fit(seven: planner.Plan) -> None:
+def test_a_leaner_optimizer_state_lets_more_plans_fit() -> None:
     eight_bit = costs.PRECISIONS["bfloat16 + float32 master, 8-bit Adam"]
-    lean = planner.plan(costs.SEVEN_B, 8, "H100", global_batch=64, seq=4096, precision=eight_bit)
-    assert not seven["ZeRO-2"].fits and lean["ZeRO-2"].fits
+    own = dict(global_batch=64, seq=4096, ledger="program")
+    book = planner.plan(costs.SEVEN_B, 8, "H100", precision=costs.Precision(), **own)
+    lean = planner.plan(costs.SEVEN_B, 8, "H100", precision=eight_bit, **own)
+    assert not book["ZeRO-2"].fits and lean["ZeRO-2"].fits
     assert lean.best.setup.precision == eight_bit
 
 
-def test_llama_3_405b_on_16384_h100s_is_planned_as_it_was_trained() -> None:
-    """The best plan for Llama 3 405B at 8k tokens on 16,384 H100s is TP x PP x DP as Llama 3
-    ran it (16 stages, TP 8 within a host, FSDP 128), on a 1F1B schedule, and predicts the
-    published 400 TFLOP/s per GPU within 1.3 times."""
+def test_llama_3_405b_on_16384_h100s_is_planned_within_the_stated_factor() -> None:
+    """Llama 3 405B at 8k tokens on 16,384 H100s: the best plan predicts the published 400
+    TFLOP/s per GPU (the field's count) within `runs.WORST`. Meta's own layout (16 stages,
+    FSDP 128, TP 8, no activation checkpointing) holds a peak that fits the 80 GB it ran
+    in, but not with the planner's headroom, and the plan says so."""
     found = planner.plan(LLAMA3_405B, 16_384, "H100", global_batch=2048, seq=8192)
-    best = found.best
-    sizes = best.setup.sizes
-    assert best.strategy == "PP+FSDP+TP" and best.setup.schedule == "1F1B"
-    assert sizes == {"stage": 16, "fsdp": 128, "model": 8}  # Llama 3's own layout
-    flops = costs.step_flops(LLAMA3_405B, 2048, 8192) / 16_384
-    tflops = flops / best.cost.step_time / 1e12
-    assert 400 / 1.3 <= tflops <= 400 * 1.3
+    flops = costs.model_flops(LLAMA3_405B, 2048, 8192) / 16_384
+    tflops = flops / found.best.cost.step_time / 1e12
+    assert 400 / runs.WORST <= tflops <= 400 * runs.WORST
+    meta = [
+        o
+        for o in found.options
+        if o.cost
+        and o.setup.sizes == {"stage": 16, "fsdp": 128, "model": 8}
+        and o.setup.remat is False
+        and o.setup.virtual == 1
+    ]
+    assert meta and all(o.cost.peak <= 80 * 2**30 and not o.fits for o in meta)
+    assert all(o.reason == "needs more memory" for o in meta)
 
 
 @pytest.mark.slow
-def test_asked_for_a_context_ring_in_stages_the_planner_finds_llama_3_at_131k() -> None:
+def test_asked_for_a_context_ring_in_stages_the_planner_finds_llama_3s_shape_at_131k() -> None:
     """Llama 3 405B at 131k tokens on 16,384 H100s: with PP+FSDP+CP+TP offered, the best
-    plan runs it on interleaved 1F1B with full remat (the zero-bubble schedules, which
-    refuse full remat, do not fit), within 1.3 of the published 380 TFLOP/s, and Llama 3's
-    own layout is tied with it. At 8k tokens the same offer ranks first on ZB-V, 1.37 to
-    1.43 times as fast as Llama 3's layout (1.29 to 1.34 on its best 1F1B), through 128
-    micro-batches of 2,048 tokens a device, which no published run trains with: why
-    `PLANNED` leaves it out."""
+    plan is Llama 3's shape (16 stages of 1F1B, a context ring, TP 8 in a host). At 8k
+    tokens, asked for the zero-bubble schedules as well, the first plan runs ZB-V, and says
+    it needs a runtime of one program per stage."""
     offered = (*planner.PLANNED, "PP+FSDP+CP+TP")
     long = LLAMA3_405B.replace(max_len=131_072)
     found = planner.plan(long, 16_384, "H100", global_batch=128, seq=131_072, strategies=offered)
     best = found.best
     assert best.strategy == "PP+FSDP+CP+TP" and best.setup.schedule == "1F1B"
-    tflops = costs.step_flops(long, 128, 131_072) / 16_384 / best.cost.step_time / 1e12
-    assert 380 / 1.3 <= tflops <= 380 * 1.3
-    (llama,) = [r for r in runs.runs() if r.name.endswith("16,384 H100s, 131k")]
-    ran = costs.step_cost(long, llama.setup(), "H100", 128, 131_072)
-    assert ran.step_time <= best.cost.step_time * planner.TIE
+    assert best.setup.sizes["stage"] == 16 and best.setup.sizes["model"] == 8
+    assert planner.splits_the_sequence(best)
     short = planner.plan(
-        LLAMA3_405B, 16_384, "H100", global_batch=2048, seq=8192, strategies=offered
+        LLAMA3_405B,
+        16_384,
+        "H100",
+        global_batch=2048,
+        seq=8192,
+        strategies=offered,
+        schedules=("1F1B", "ZB-H1", "ZB-V"),
     )
-    first, second = short.ranked[:2]
-    assert (first.strategy, second.strategy) == ("PP+FSDP+CP+TP", "PP+FSDP+TP")
-    assert first.setup.schedule == "ZB-V"
-    assert 1.37 < second.cost.step_time / first.cost.step_time < 1.43
-    assert 8192 // first.setup.sizes["context"] == 2048 and first.setup.micro_batches == 128
-    ring = [o for o in short.options if o.fits and o.strategy == first.strategy]
-    f1b = min((o for o in ring if o.setup.schedule == "1F1B"), key=lambda o: o.cost.step_time)
-    assert 1.29 < second.cost.step_time / f1b.cost.step_time < 1.34
+    assert short.best.setup.schedule == "ZB-V"
+    assert "needs a runtime of one program per stage" in short.best.setup.describe()
+    default = planner.plan(LLAMA3_405B, 16_384, "H100", global_batch=2048, seq=8192)
+    assert all(o.setup.schedule in planner.SCHEDULED for o in default.options)
 
 
 def test_the_planner_reduces_once_a_step_where_the_weights_fit_whole() -> None:
@@ -332,3 +345,11 @@ def test_a_pipeline_is_priced_by_its_schedule() -> None:
         costs.Setup.of(rules, {"stage": 4}, 8, virtual=2)
     with pytest.raises(ValueError, match="schedule='ZB'"):
         costs.Setup.of(rules, {"stage": 4}, 8, schedule="ZB")
+
+
+def test_the_device_counts_that_work_are_named_once() -> None:
+    small = planner.plan(
+        costs.SEVEN_B, 8, "H100", global_batch=64, seq=4096, memory_per_device=20e9
+    )
+    found = small.nearest()
+    assert found == sorted(set(found)) and 16 in found

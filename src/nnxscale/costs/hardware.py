@@ -34,7 +34,7 @@ class Hardware:
     bibliography.
     `efficiency` is the fraction of peak FLOP/s the step's products (recompute included)
     reach on it (a hardware FLOPs utilisation, HFU): fitted to a published run where the
-    cost model expresses one (`nnxscale.costs.runs`; the fit also absorbs what the model
+    cost model expresses one (`nnxscale.evidence.runs`; the fit also absorbs what the model
     leaves out of that run, so it can exceed the run's own MFU), else the HFU a large run
     published, a lower bound (the HFU counts the whole step's time, which the model prices
     apart); `efficiency_source` says which. `wrap` is, on a TPU torus, the shortest
@@ -44,6 +44,14 @@ class Hardware:
     `dimensions` is, on a torus, how many it has (`TORUS`): at most that many mesh axes can
     each lie along torus dimensions of their own, with links no other axis uses (0: any
     number).
+    `launch` is the seconds the host needs to launch one layer's forward and backward pass
+    for one micro-batch: a step computes no faster than its host launches its layers
+    (`nnxscale.costs.launched`). `sync` is the seconds each collective on the critical path
+    (tensor parallelism's, a pipeline's hand-overs) waits beyond its transfer: its launch
+    and the wait for the group's last device. Both are fitted where `fit_source` says (0:
+    not known, left out). `attention` is the fraction of peak FLOP/s the attention kernel
+    reaches (flash attention's products run at it, the rest at `efficiency`), from the
+    kernel's published measurement where `attention_source` says (0: `efficiency`).
     """
 
     name: str
@@ -62,6 +70,11 @@ class Hardware:
     wrap: int = 0
     usable: float = 1.0
     dimensions: int = 0
+    launch: float = 0.0
+    sync: float = 0.0
+    fit_source: str = ""
+    attention: float = 0.0
+    attention_source: str = ""
 
     def replace(self, **changes: object) -> Hardware:
         """This hardware with some numbers changed (checked as a new description is)."""
@@ -76,7 +89,7 @@ class Hardware:
         bad = [f"{k}={getattr(self, k)!r}" for k in rates if not 0 < getattr(self, k) < math.inf]
         bad += [
             f"{k}={getattr(self, k)!r}"
-            for k in ("memory", "hop", "far_hop")
+            for k in ("memory", "hop", "far_hop", "launch", "sync")
             if not 0 <= getattr(self, k) < math.inf
         ]
         bad += [
@@ -84,6 +97,7 @@ class Hardware:
             for k in ("efficiency", "usable")
             if not 0 < getattr(self, k) <= 1
         ]
+        bad += [] if 0 <= self.attention <= 1 else [f"attention={self.attention!r}"]
         if not (isinstance(self.dimensions, int) and self.dimensions >= 0):
             bad.append(f"dimensions={self.dimensions!r}")
         if bad:
@@ -108,23 +122,37 @@ _DATASHEETS = (
 )
 
 EFFICIENCIES = {
-    "A100": (0.62, "calibrated: Megatron-LM's 1T model on 3,072 A100s (recompute counted)"),
-    "H100": (0.80, "calibrated: Llama 3 405B on 8,192 H100s (full remat assumed)"),
-    "H200": (0.45, "calibrated: benchmarks/time_model.py's 1B-wide model on one H200"),
-    "B200": (0.80, "assumed: the H100's (no published utilisation of a large run found)"),
+    "A100": (0.5981, "calibrated: llm-foundry's MPT-13B, FSDP on one host of 8 A100s"),
+    "H100": (0.4127, "calibrated: llm-foundry's MPT-13B, FSDP on one host of 8 H100s"),
+    "H200": (0.4515, "calibrated: benchmarks/time_model.py's 1B-wide model on one H200"),
+    "B200": (0.4127, "assumed: the H100's (no published BF16 run of a large model found)"),
     "TPU v4": (0.578, "published HFU: chowdhery2022palm, PaLM 540B on 6,144 TPU v4 (MFU 0.462)"),
-    "TPU v5e": (0.77, "calibrated: MaxText 16B on one v5e-256"),
-    "TPU v5p": (0.83, "calibrated: MaxText 32B on one v5p-128"),
-    "TPU v6e": (0.50, "calibrated: MaxText's Llama 3.1 70B on one v6e-256"),
+    "TPU v5e": (0.7792, "calibrated: MaxText 16B on one v5e-256"),
+    "TPU v5p": (0.8395, "calibrated: MaxText 32B on one v5p-128"),
+    "TPU v6e": (0.4977, "calibrated: MaxText's Llama 3.1 70B on one v6e-256"),
 }
 """Per device, the efficiency the time model computes at and where it comes from: calibrated
-on a run of `nnxscale.costs.runs`, or a published HFU (recompute counted, a lower bound)
+on a run of `nnxscale.evidence.runs`, or a published HFU (recompute counted, a lower bound)
 where the model cannot express a run."""
 
 GPU_PREALLOCATION = 0.75
 """The share of a GPU's memory JAX preallocates for arrays by default; the environment
 variable XLA_CLIENT_MEM_FRACTION changes it (in jaxlib 0.12; XLA_PYTHON_CLIENT_MEM_FRACTION is
 its deprecated name), and NVIDIA's guide suggests 0.8 to 0.9."""
+
+TUNED_SHARE = 0.9
+"""The share of a GPU's memory a tuned trainer gives arrays: NVIDIA's guide suggests raising
+JAX's to 0.8 to 0.9, and PyTorch's allocator leaves a trainer about as much once its CUDA
+context and communication buffers are made. The fused ledger plans with it
+(`shared`)."""
+
+
+def shared(hw: Hardware, ledger: str) -> float:
+    """The share of `hw`'s memory a plan under `ledger` may fill: JAX's default for this
+    library's program (`Hardware.usable`), a tuned trainer's (`TUNED_SHARE`) for the fused
+    ledger, all of it where the runtime gives all."""
+    return hw.usable if ledger == "program" else max(hw.usable, TUNED_SHARE)
+
 
 RUNTIME_SHARE = {
     "A100": GPU_PREALLOCATION,
@@ -144,6 +172,33 @@ TORUS = {"TPU v4": 3, "TPU v5e": 2, "TPU v5p": 3, "TPU v6e": 2}
 scaling book)."""
 
 
+GPU_FIT = {"launch": 2.181e-3, "sync": 3.668e-4, "far_hop": 4.0e-5}
+"""The host's seconds to launch a layer's forward and backward pass for a micro-batch, the
+seconds each blocking collective waits beyond its transfer, and the seconds a step of a
+collective across hosts costs before any byte moves: fitted on the Ultra-Scale Playbook
+grid's runs on 1 to 8 nodes of H100s (`nnxscale.evidence.grid.fit`, the median miss), and
+taken for every GPU (the same software launches the work). TPUs run a compiled step whose
+loops and collectives no host launches: none."""
+
+GPU_FIT_SOURCE = "fitted: the Ultra-Scale Playbook grid's runs on 1 to 8 nodes of H100s"
+
+ATTENTION = {
+    "A100": (0.50, "dao2024flashattention2: FlashAttention-2 reaches 50 to 73% of an A100's peak"),
+    "H100": (0.35, "shah2024flashattention3: FlashAttention-2 reaches 35% of an H100's peak"),
+    "H200": (0.35, "shah2024flashattention3: the H100's (the same chip and kernel)"),
+    "B200": (0.35, "assumed: the H100's"),
+}
+"""Per GPU, the share of peak FLOP/s flash attention reaches, and where it is published: its
+products are not the large matrix products the efficiency is calibrated on."""
+
+
+def _gpu(name: str) -> dict[str, object]:
+    """What a GPU's description adds to its datasheet: the fitted host and synchronisation
+    costs and the attention kernel's efficiency."""
+    share, source = ATTENTION[name]
+    return {**GPU_FIT, "fit_source": GPU_FIT_SOURCE, "attention": share, "attention_source": source}
+
+
 HARDWARE = {
     row[0]: Hardware(
         *row,
@@ -151,7 +206,7 @@ HARDWARE = {
         WRAPAROUND.get(row[0], 0),
         RUNTIME_SHARE.get(row[0], 1.0),
         TORUS.get(row[0], 0),
-    )
+    ).replace(**(_gpu(row[0]) if row[0] in RUNTIME_SHARE else {}))
     for row in _DATASHEETS
 }
 """Datasheet numbers per device (links: TPU ICI bidirectional bandwidth of one axis and DCN

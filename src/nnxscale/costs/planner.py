@@ -18,11 +18,20 @@ from collections.abc import Iterable, Iterator
 
 from nnxscale.core.show import Markdown, table
 from nnxscale.costs.activations import mixture
-from nnxscale.costs.counts import Precision, Setup, mixture_problem
+from nnxscale.costs.counts import (
+    LEDGERS,
+    PLANNING,
+    SCHEDULES,
+    Precision,
+    Setup,
+    check_ledger,
+    mixture_problem,
+)
 from nnxscale.costs.coverage import unpriced
-from nnxscale.costs.derive import derive, unsuitable
-from nnxscale.costs.hardware import Hardware, hardware
+from nnxscale.costs.derive import derive
+from nnxscale.costs.hardware import Hardware, hardware, shared
 from nnxscale.costs.steps import StepCost, step_cost
+from nnxscale.costs.suitable import unsuitable
 from nnxscale.model.transformer import Config
 from nnxscale.placement.rules import STRATEGIES, Rules
 
@@ -33,13 +42,15 @@ elementwise chains and keeps fewer values than autodiff asks for, above where a 
 loop materialises its stacked activations and working set."""
 
 HEADROOM = TOLERANCE[1]
-"""The planner asks that the predicted peak times this fit the device's memory: a plan that
-fits keeps fitting if the compiler holds as much beyond the ledger as it did here."""
+"""The planner asks that the predicted peak times this fit the device's memory: under the
+program ledger, a plan that fits keeps fitting if the compiler holds as much beyond the
+ledger as it did here; under the fused ledger, the predicted peak times this covers what 93%
+of the Ultra-Scale Playbook grid's fit runs measured (`nnxscale.evidence.grid`)."""
 
 TIE = 1.17
 """Options whose predicted step times lie within this factor of the fastest's are tied: the
 time model's ratio to what was published differs by up to this factor between two runs of
-one model on one kind of device in two layouts (`nnxscale.costs.runs.spread`: MaxText's
+one model on one kind of device in two layouts (`nnxscale.evidence.runs.spread`: MaxText's
 1024B on one v5p-2048 against one v5p-4096, 1.169), so a smaller gap between two plans is
 not evidence that one is faster."""
 
@@ -81,6 +92,13 @@ def planned(cfg: Config) -> tuple[str, ...]:
     priced = (n for n in PLANNED if not unpriced(STRATEGIES[n], mixture(cfg), "1F1B"))
     return (*priced, *EXPERT_PLANNED)
 
+
+SCHEDULED = ("lockstep", "1F1B")
+"""The pipeline schedules the planner tries unless asked for more (`plan(schedules=)`): the
+book's lockstep executor and 1F1B (interleaved with `VIRTUAL` stages). Not the zero-bubble
+schedules: their weight-gradient task costs one forward pass in their bubble's formula,
+where the book's executor measures more than two (chapter 7), and only a runtime with one
+program per stage (MPMD) runs them; asked for, they are priced and marked as needing it."""
 
 REMATS: tuple[bool | str, ...] = (False, "dots", "full")
 """Remat policies, from the fastest to the leanest."""
@@ -179,10 +197,12 @@ class Plan:
         seq: int,
         memory: float,
         options: list[Option],
+        choices: Choices | None = None,
     ) -> None:
         self.cfg, self.devices, self.hardware = cfg, devices, hw
         self.batch, self.seq, self.memory = batch, seq, memory
         self.options = options
+        self.choices = choices or Choices()
         best: dict[str, Option] = {}
         leanest: dict[str, Option] = {}
         first: dict[str, Option] = {}
@@ -227,7 +247,8 @@ class Plan:
             range(max(1, self.devices - 8), self.devices + 9), key=lambda k: abs(k - self.devices)
         )
         found = []
-        for count in [*near[1:], 2 * self.devices, 4 * self.devices]:
+        farther = [k for k in (2 * self.devices, 4 * self.devices) if k not in near]
+        for count in [*near[1:], *farther]:
             other = plan(
                 self.cfg,
                 count,
@@ -235,6 +256,9 @@ class Plan:
                 global_batch=self.batch,
                 seq=self.seq,
                 memory_per_device=self.memory,
+                precision=self.choices.precision,
+                ledger=self.choices.ledger,
+                schedules=self.choices.schedules,
             )
             if other.ranked:
                 found.append(count)
@@ -298,7 +322,8 @@ class Plan:
         title = (
             f"{self.devices} x {self.hardware.name}, {_memory(self)} each (a plan "
             f"fits if its peak x {HEADROOM} does); {self.batch} sequences of {self.seq} tokens; "
-            f"{len(self.options)} options priced; tied: within {TIE} x the fastest's step"
+            f"{len(self.options)} options priced by {self.choices.describe()}; tied: within "
+            f"{TIE} x the fastest's step"
         )
         return str(table(headers, rows, title))
 
@@ -310,10 +335,12 @@ class Plan:
 def _memory(found: Plan) -> str:
     """The memory a plan fits into, in words, naming the runtime's share where it is not all."""
     hw, gb = found.hardware, found.memory / 1e9
-    if hw.usable < 1 and found.memory == hw.memory * hw.usable:
+    share = shared(hw, found.choices.ledger)
+    if share < 1 and found.memory == hw.memory * share:
+        whose = "JAX's default" if share == hw.usable else "a tuned trainer's"
         return (
-            f"{gb:.0f} GB of arrays: JAX's default {hw.usable:.0%} of {hw.memory / 1e9:.0f} GB, "
-            "more with XLA_CLIENT_MEM_FRACTION"
+            f"{gb:.0f} GB of arrays: {whose} {share:.0%} of {hw.memory / 1e9:.0f} GB "
+            "(XLA_CLIENT_MEM_FRACTION sets JAX's)"
         )
     return f"{gb:.0f} GB"
 
@@ -357,6 +384,39 @@ def _why(leanest: Option, memory: float) -> str:
     )
 
 
+@dataclasses.dataclass(frozen=True)
+class Choices:
+    """What every option of a plan shares: the bytes per parameter its state holds, its
+    memory ledger (`nnxscale.costs.LEDGERS`) and the pipeline schedules tried."""
+
+    precision: Precision = PLANNING
+    ledger: str = "fused"
+    schedules: tuple[str, ...] = SCHEDULED
+
+    def describe(self) -> str:
+        """In words, for a plan's title."""
+        return f"the {self.ledger} ledger ({LEDGERS[self.ledger].split(':')[0]})"
+
+
+def _runs(cfg: Config, rules: Rules, choices: Choices) -> tuple[tuple[str, int, bool | str], ...]:
+    """The (schedule, virtual stages, remat policy) triples the planner tries for `rules`."""
+    if not rules.axes_of("layers"):
+        return tuple(("lockstep", 1, remat) for remat in REMATS)
+    lockstep = "lockstep" in choices.schedules and choices.ledger == "program"
+    lockstep &= not unpriced(rules, int(bool(cfg.experts)))
+    found = [("lockstep", 1, False)] if lockstep else []
+    if "1F1B" in choices.schedules:
+        found += [("1F1B", v, r) for v in VIRTUAL for r in REMATS]
+    found += [
+        (name, 1, r)
+        for name in ("ZB-H1", "ZB-V")
+        if name in choices.schedules
+        for r in REMATS
+        if r != "full"
+    ]
+    return tuple(found)
+
+
 def candidates(
     cfg: Config,
     rules: Rules,
@@ -364,28 +424,31 @@ def candidates(
     hw: Hardware,
     batch: int,
     seq: int,
-    precision: Precision | None = None,
+    choices: Choices = Choices(),
 ) -> Iterator[tuple[Setup, str]]:
     """Every setup of `rules` the planner tries, and why it cannot run if it cannot: a
-    pipeline on the book's lockstep executor (which rebuilds each stage itself; not with a
-    context ring or a mixture, which it does not run), on 1F1B with each remat policy and `VIRTUAL`
-    stages, and on ZB-H1 and ZB-V without full remat; with micro-batches, gradients
-    reduced once per micro-batch and once a step (`Setup.reduce_once`; a pipeline reduces
-    once already)."""
+    pipeline on the book's lockstep executor (the program ledger's; it rebuilds each stage
+    itself, and runs no context ring or mixture), on 1F1B with each remat policy and
+    `VIRTUAL` stages, and on the zero-bubble schedules asked for, without full remat; with
+    micro-batches, gradients reduced once per micro-batch and once a step
+    (`Setup.reduce_once`; a pipeline reduces once already)."""
     stage = next(iter(rules.axes_of("layers")), None)
-    runs: tuple[tuple[str, int, bool | str], ...] = tuple(
-        ("lockstep", 1, remat) for remat in REMATS
-    )
-    if stage is not None:
-        lockstep = () if unpriced(rules, int(bool(cfg.experts))) else (("lockstep", 1, False),)
-        f1b = (("1F1B", v, r) for v in VIRTUAL for r in REMATS)
-        zb = ((name, 1, r) for name in ("ZB-H1", "ZB-V") for r in REMATS if r != "full")
-        runs = (*lockstep, *f1b, *zb)
+    runs = _runs(cfg, rules, choices)
     for mesh in meshes(rules, devices, hw.domain):
         for m in micro_batches(rules, mesh, batch, stage):
             once = (False, True) if m > 1 and stage is None else (False,)
             for (schedule, virtual, remat), reduce in itertools.product(runs, once):
-                setup = Setup.of(rules, mesh, m, remat, precision, schedule, virtual, reduce)
+                setup = Setup.of(
+                    rules,
+                    mesh,
+                    m,
+                    remat,
+                    choices.precision,
+                    schedule,
+                    virtual,
+                    reduce,
+                    choices.ledger,
+                )
                 yield setup, unsuitable(cfg, setup, batch, seq)
 
 
@@ -399,17 +462,25 @@ def plan(
     memory_per_device: float | None = None,
     strategies: Iterable[str] | None = None,
     efficiency: float | None = None,
-    precision: Precision | None = None,
+    precision: Precision = PLANNING,
+    ledger: str = "fused",
+    schedules: Iterable[str] = SCHEDULED,
 ) -> Plan:
     """Every option for training `cfg` on `devices` devices of `hw` with batches of
     `global_batch` sequences of `seq` tokens (default `cfg.max_len`), priced and ranked;
     `memory_per_device` defaults to the share of the device's memory its runtime gives
-    arrays (`Hardware.usable`: 75% of a GPU's, as JAX preallocates), `strategies` to
-    `planned(cfg)`, `precision` (the bytes per parameter of the state) to the book's."""
+    arrays (`nnxscale.costs.shared`: 90% of a GPU's for a tuned trainer under the fused
+    ledger, JAX's default 75% for this library's program), `strategies` to
+    `planned(cfg)`, `precision` (the bytes per parameter of the state) to the planner's 16
+    (`nnxscale.costs.PLANNING`), `ledger` to the fused kernels a real accelerator's trainer
+    runs (`nnxscale.costs.LEDGERS`; "program" prices this library's own), `schedules` to
+    `SCHEDULED`."""
     hw = hardware(hw)
+    choices = Choices(precision, check_ledger(ledger), _schedules(schedules))
     strategies = planned(cfg) if strategies is None else tuple(strategies)
     seq = cfg.max_len if seq is None else seq
-    memory = hw.memory * hw.usable if memory_per_device is None else memory_per_device
+    share = shared(hw, ledger)
+    memory = hw.memory * share if memory_per_device is None else memory_per_device
     _check(cfg, devices, global_batch, seq, memory)
     extra = {} if efficiency is None else {"efficiency": efficiency}
     options = []
@@ -420,7 +491,7 @@ def plan(
                 f"no rule set named {name!r}; use names of nnxscale.STRATEGIES: "
                 f"{', '.join(STRATEGIES)}"
             )
-        found_setups = candidates(cfg, STRATEGIES[name], devices, hw, global_batch, seq, precision)
+        found_setups = candidates(cfg, STRATEGIES[name], devices, hw, global_batch, seq, choices)
         for setup, reason in found_setups:
             found = True
             if reason:
@@ -433,7 +504,16 @@ def plan(
         raise ValueError(
             f"none of the rule sets {list(strategies)} has a mesh of {devices} devices to try"
         )
-    return Plan(cfg, devices, hw, global_batch, seq, memory, options)
+    return Plan(cfg, devices, hw, global_batch, seq, memory, options, choices)
+
+
+def _schedules(names: Iterable[str]) -> tuple[str, ...]:
+    """`names`, each a schedule (`nnxscale.costs.SCHEDULES`); an error otherwise."""
+    found = tuple(names)
+    unknown = sorted(set(found) - set(SCHEDULES))
+    if unknown:
+        raise ValueError(f"schedules {unknown}: use some of {', '.join(SCHEDULES)}")
+    return found
 
 
 MAX_DEVICES = 2**20

@@ -9,13 +9,13 @@ import numbers
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from nnxscale.analysis.comm import ring_bytes
-from nnxscale.costs.activations import mixture
 from nnxscale.costs.arrays import Transfer
 from nnxscale.costs.counts import DTYPE_BYTES, STATE_BYTES, Precision, Setup, sizes_of
-from nnxscale.costs.derive import Costs, derive
+from nnxscale.costs.derive import Costs
 from nnxscale.costs.formula import Formula
 from nnxscale.costs.hardware import Hardware, hardware
-from nnxscale.model.transformer import Config
+from nnxscale.costs.suitable import derive_for
+from nnxscale.model.transformer import Config, remat_policy
 from nnxscale.parallelism.schedules import (
     bubble_formula,
     zero_bubble_formula,
@@ -104,24 +104,39 @@ def memory_phases(
     of the backward pass (every layer's activations and weight copies, the logits' gradient
     and the head's gradients), a layer's backward pass (its gradients made, and with remat
     its activations rebuilt), and the optimizer's update (every gradient, and the update
-    beside it). With micro-batches, the running sum of gradients is held throughout. On a
-    pipeline, a backward task: the buffers, a stage rebuilt, the stage's gradients. Every
-    gradient is scaled by `gradients`, its bytes over float32's (`Precision.gradients`)."""
+    beside it). With micro-batches, the running sum of gradients is held throughout. On the
+    lockstep pipeline, a backward task: the buffers, a stage rebuilt, the stage's gradients;
+    on a pipeline of one program per stage, the first stage's backward starting holds its
+    micro-batches in flight and the last stage's its one micro-batch and the loss. A
+    framework that updates in place (`Costs.in_place`) holds its gradient buffer alone at
+    the update. Every gradient is scaled by `gradients`, its bytes over float32's
+    (`Precision.gradients`)."""
     if costs.stage_axis is not None and costs.schedule == "lockstep":
         parts = (costs.activations, costs.rebuilt, costs.weights, costs.head)
         return {
             "a backward task": sum(f(sizes) for f in parts) + gradients * costs.gradients(sizes)
         }
     accumulate = gradients * costs.accumulator(sizes) if micro > 1 else 0.0
-    kept = costs.activations(sizes) + costs.weights(sizes) + gradients * costs.head_gradients(sizes)
-    return {
-        "backward starts": kept + costs.head(sizes) + accumulate,
+    weights = costs.weights(sizes) + accumulate
+    kept = costs.activations(sizes) + weights + gradients * costs.head_gradients(sizes)
+    found = {
+        "backward starts": kept + costs.head(sizes),
         "a layer's backward": kept
         + costs.rebuilt(sizes)
-        + gradients * costs.layer_gradients(sizes)
-        + accumulate,
-        "update": 2 * gradients * costs.gradients(sizes) + accumulate,
+        + gradients * costs.layer_gradients(sizes),
+        "update": gradients * costs.gradients(sizes)
+        if costs.in_place
+        else 2 * gradients * costs.gradients(sizes) + accumulate,
     }
+    if costs.stage_axis is not None:  # one program per stage: its first and its last
+        last = costs.last_stage(sizes) + costs.head(sizes) + gradients * costs.head_gradients(sizes)
+        found = {
+            "the first stage's backward starts": costs.activations(sizes) + weights,
+            "the last stage's backward starts": last + weights,
+            "a layer's backward": found["a layer's backward"],
+            "update": found["update"],
+        }
+    return found
 
 
 def state_bytes(costs: Costs, sizes: Mapping[str, float], precision: Precision) -> dict[str, float]:
@@ -146,14 +161,31 @@ def within(axes: Iterable[str], mesh: Mapping[str, int], hw: Hardware) -> bool:
     return math.prod(mesh[a] for a in names[first:]) <= hw.domain
 
 
-def link(axes: Iterable[str], mesh: Mapping[str, int], hw: Hardware) -> tuple[float, float]:
+def members(axes: Iterable[str], mesh: Mapping[str, int], hw: Hardware) -> int:
+    """How many devices of one group along mesh `axes` lie in one fast domain: the domain
+    holds `hw.domain` consecutive devices of the mesh (last axis fastest), and along each
+    axis as many of the group's positions as fit in it."""
+    names, found = list(mesh), 1
+    for a in axes:
+        stride = math.prod(mesh[b] for b in names[names.index(a) + 1 :])
+        found *= min(mesh[a], max(1, hw.domain // stride))
+    return found
+
+
+def link(
+    axes: Iterable[str], mesh: Mapping[str, int], hw: Hardware, rails: bool = True
+) -> tuple[float, float]:
     """Bytes per second and seconds per step of a collective over mesh `axes`: the fast
     links if the devices along them lie in one fast domain (`within`), else the slow ones.
-    On a TPU torus, a ring whose length the wraparound (`Hardware.wrap`) does not divide is
-    a line: its collectives get half the bandwidth."""
+    Across domains, a group with k devices in each domain sends on k adapters at once (a
+    ring per adapter, NCCL's rails), so its bandwidth is k slow links', up to the fast one;
+    not a permute (`rails=False`), whose block crosses on its sender's one adapter. On a TPU
+    torus, a ring whose length the wraparound (`Hardware.wrap`) does not divide is a line:
+    its collectives get half the bandwidth."""
     axes = list(axes)
     if not within(axes, mesh, hw):
-        return hw.slow, hw.far_hop
+        spread = members(axes, mesh, hw) if rails else 1
+        return min(hw.fast, spread * hw.slow), hw.far_hop
     n = math.prod(mesh[a] for a in axes)
     line = hw.wrap > 0 and n % hw.wrap != 0
     return (hw.fast / 2 if line else hw.fast), hw.hop
@@ -168,7 +200,7 @@ def collective_seconds(
     scaling book: a quarter of an all-gather of the whole array), through a switch only
     the pieces for others leave."""
     axes = list(axes)
-    bandwidth, hop = link(axes, mesh, hw)
+    bandwidth, hop = link(axes, mesh, hw, rails=kind != "collective-permute")
     ring = hw.ring and within(axes, mesh, hw)
     steps = {"all-reduce": 2 * (n - 1), "collective-permute": 1}.get(kind, n - 1)
     if kind == "all-to-all":
@@ -235,23 +267,45 @@ def lanes(
     return [lane(axes, where) for axes, where in collectives]
 
 
+def overlapped(transfer: Transfer, overlaps: Iterable[str]) -> Transfer:
+    """`transfer` as a framework that overlaps `overlaps` (`nnxscale.costs.OVERLAPPED`) runs
+    it: tensor parallelism's all-reduces behind their products (a collective matmul), ZeRO's
+    gather of updated parameters behind the next forward pass; both then hide behind the
+    step's compute as FSDP's gathers do."""
+    tensor = transfer.kind == "all-reduce" and transfer.overlap == "blocking"
+    if (tensor and "collective matmul" in overlaps) or (
+        transfer.overlap == "update" and "parameter prefetch" in overlaps
+    ):
+        return dataclasses.replace(transfer, overlap="gather")
+    return transfer
+
+
 def _collectives(
     costs: Costs,
     sizes: dict[str, int],
     mesh: dict[str, int],
     hw: Hardware,
     window: dict[str, float],
+    setup: Setup,
 ) -> list[Collective]:
     """Each transfer of the step that crosses devices, timed on `hw`, exposed whole if compute
     cannot hide it, else with its share of what compute leaves exposed in its lane (`hide`,
-    per lane: `lanes`, which run side by side)."""
+    per lane: `lanes`, which run side by side); what the framework overlaps
+    (`Setup.overlaps`) hides as `overlapped` says, and the gradients and updated parameters
+    move at the width `Setup.precision` stores them in."""
     timed = []
-    for t in costs.transfers:
+    widths = {
+        "gradients": setup.precision.gradients / STATE_BYTES,
+        "updated parameters": setup.precision.parameters / STATE_BYTES,
+    }
+    for t in (overlapped(t, setup.overlaps) for t in costs.transfers):
         n = math.prod(mesh[a] for a in t.axes)
         if n == 1:
             continue
-        array, passes = t.array(sizes), t.passes(sizes)
+        array, passes = t.array(sizes) * widths.get(t.what, 1.0), t.passes(sizes)
         sent, seconds = collective_seconds(t.kind, array, n, mesh, t.axes, hw)
+        if t.overlap not in HIDDEN:  # each waits for every device of its group
+            seconds += hw.sync
         where = "fast" if within(t.axes, mesh, hw) else "slow"
         timed.append((t, n, array, passes * sent, passes * seconds, where, t.launches(sizes)))
     found = lanes([(row[0].axes, row[5]) for row in timed], hw.ring, hw.dimensions)
@@ -295,12 +349,15 @@ def step_cost(
     `batch` sequences of `seq` tokens (default `cfg.max_len`) under `setup` on `hw`.
 
     Compute runs at `efficiency` (default `Hardware.efficiency`: fitted to a published run,
-    or a published HFU) of peak matmul FLOP/s, plus the bytes elementwise work and the
-    optimizer move through memory at the device's bandwidth. Each collective costs a
-    latency per ring step and its bytes over the link its axes cross (`link`); what compute
-    can hide it behind depends on the step's dependencies (`OVERLAPS`), and collectives in
-    one lane add up before they hide (`lanes`, `hide`). A pipeline's compute is stretched by its
-    schedule's bubble (`pipeline_bubble`).
+    or a published HFU) of peak matmul FLOP/s, flash attention at `Hardware.attention`,
+    plus the bytes elementwise work and the optimizer move through memory at the device's
+    bandwidth, and no faster than the host launches the layers (`compute_seconds`). Each
+    collective costs a latency per ring step and its bytes over the link its axes cross
+    (`link`), and one that blocks the step `Hardware.sync` more; what compute can hide it
+    behind depends on the step's dependencies (`OVERLAPS`) and what the framework overlaps
+    (`Setup.overlaps`), and collectives in one lane add up before they hide (`lanes`,
+    `hide`). A pipeline's compute is stretched by its schedule's bubble (`pipeline_bubble`).
+    Memory is `Setup.ledger`'s (`nnxscale.costs.LEDGERS`).
     """
     hw = hardware(hw)
     seq = _sizes_checked(cfg, batch, seq)
@@ -311,9 +368,7 @@ def step_cost(
             f"(0, 1]; leave it out for {hw.name}'s ({hw.efficiency:.0%}, "
             f"{hw.efficiency_source})"
         )
-    costs = derive(
-        setup.rules, cfg.compute_dtype, setup.remat, mixture(cfg), setup.schedule, setup.reduce_once
-    )
+    costs = derive_for(cfg, setup)
     sizes = sizes_of(cfg, setup, batch, seq)
     mesh = setup.sizes
     precision = setup.precision
@@ -321,19 +376,16 @@ def step_cost(
     memory = state_bytes(costs, sizes, precision)
     memory["working memory"] = max(phases.values())
     flops = costs.flops(sizes)
-    traffic = (
-        2 * costs.activations(sizes)
-        + 3 * costs.weights(sizes)
-        + 3 * sum(memory[k] for k in costs.state)
-    )
-    compute = flops / (hw.flops * efficiency) + traffic / hw.hbm
+    state = sum(memory[k] for k in costs.state)
+    compute = compute_seconds(costs, setup, sizes, hw.replace(efficiency=efficiency), state)
     forward = compute * costs.forward_flops(sizes) / flops
+    once = costs.stage_axis is not None or setup.reduce_once  # after the last micro-batch
     window = {
         "gather": compute,
-        "reduce": compute - forward,
+        "reduce": (compute - forward) / (setup.micro_batches if once else 1),
         "ring": compute * costs.attention_flops(sizes) / flops,
     }
-    found = _collectives(costs, sizes, mesh, hw, window)
+    found = _collectives(costs, sizes, mesh, hw, window, setup)
     bubble = 0.0
     if costs.stage_axis is not None:
         bubble = pipeline_bubble(
@@ -342,6 +394,32 @@ def step_cost(
         compute = compute / (1 - bubble)
     step = compute + sum(c.exposed for c in found)
     return StepCost(setup, memory, phases, flops, tuple(found), compute, bubble, step)
+
+
+def compute_seconds(
+    costs: Costs, setup: Setup, sizes: Mapping[str, float], hw: Hardware, state: float
+) -> float:
+    """Seconds a device computes in a step, before a pipeline's bubble: its products at
+    `hw.efficiency` of peak, flash attention's at `hw.attention` (where known), and the bytes
+    its elementwise work and optimizer move through memory (the kept activations twice, the
+    weights and the `state` three times); no faster than its host launches its layers
+    (`launched`)."""
+    flops = costs.flops(sizes)
+    traffic = 2 * costs.activations(sizes) + 3 * costs.weights(sizes) + 3 * state
+    attention = costs.attention_flops(sizes) if hw.attention else 0.0
+    products = (flops - attention) / (hw.flops * hw.efficiency)
+    compute = products + attention / (hw.flops * (hw.attention or 1)) + traffic / hw.hbm
+    return max(compute, hw.launch * launched(costs, setup, sizes))
+
+
+def launched(costs: Costs, setup: Setup, sizes: Mapping[str, float]) -> float:
+    """How many layers' forward and backward passes a device's host launches in a step: its
+    layers (a stage's, in a pipeline) for each micro-batch, half as many again when full
+    remat runs each forward twice. At `Hardware.launch` seconds each, the step computes no
+    faster than its host launches."""
+    stages = sizes[costs.stage_axis] if costs.stage_axis is not None else 1
+    again = 1.5 if remat_policy(setup.remat) == "full" else 1.0
+    return sizes["layers"] / stages * setup.micro_batches * again
 
 
 def efficiency_where(above: Callable[[float], bool], rises: bool) -> float:
@@ -363,16 +441,25 @@ def fitted_efficiency(
 ) -> float:
     """The efficiency at which `step_cost` takes the `seconds` a step was measured to take:
     one measured step calibrates a device, as one published run calibrates a datasheet's
-    (`nnxscale.costs.runs.calibrate`). A step faster than the model at peak is refused."""
-    if step_cost(cfg, setup, hw, batch, seq, efficiency=1.0).step_time > seconds:
+    (`nnxscale.evidence.runs.calibrate`). A step faster than the model at peak is refused,
+    and so is one its host's launches bind (`launched`): no efficiency changes its time."""
+    fastest = step_cost(cfg, setup, hw, batch, seq, efficiency=1.0)
+    if fastest.step_time > seconds:
         raise ValueError(
             f"a step of {seconds:.3g} s is faster than the time model at {hw.name}'s peak: "
             "measure the peak on the device that ran the step (`nnxscale.machine.Probe`)"
         )
-    return efficiency_where(
+    fitted = efficiency_where(
         lambda e: step_cost(cfg, setup, hw, batch, seq, efficiency=e).step_time > seconds,
         rises=False,
     )
+    if step_cost(cfg, setup, hw, batch, seq, efficiency=fitted).step_time == fastest.step_time:
+        raise ValueError(
+            f"a step of {seconds:.3g} s is as long as {hw.name}'s host takes to launch its "
+            f"layers ({fastest.compute_time:.3g} s, `launched`) at any efficiency above "
+            f"{fitted:.2g}: it does not measure the efficiency; time a larger batch"
+        )
+    return fitted
 
 
 def pipeline_bubble(schedule: str, stages: int, micro: int, virtual: int = 1) -> float:
@@ -402,9 +489,7 @@ def ledger(cfg: Config, setup: Setup, batch: int, seq: int | None = None) -> dic
     backward pass keeps, and those remat rebuilds). Each is held at its own moment of the
     step, so the step's peak (`step_cost(...).peak`) is not their sum."""
     seq = _sizes_checked(cfg, batch, seq)
-    costs = derive(
-        setup.rules, cfg.compute_dtype, setup.remat, mixture(cfg), setup.schedule, setup.reduce_once
-    )
+    costs = derive_for(cfg, setup)
     sizes = sizes_of(cfg, setup, batch, seq)
     state = state_bytes(costs, sizes, setup.precision)
     return {
@@ -422,9 +507,7 @@ def ledger_terms(cfg: Config, setup: Setup, batch: int, seq: int | None = None) 
     (float32, for the loss), and one layer rebuilt while its backward pass runs. Together
     they are `ledger(...)["activations"]`."""
     seq = _sizes_checked(cfg, batch, seq)
-    costs = derive(
-        setup.rules, cfg.compute_dtype, setup.remat, mixture(cfg), setup.schedule, setup.reduce_once
-    )
+    costs = derive_for(cfg, setup)
     sizes = sizes_of(cfg, setup, batch, seq)
     parts = {"the layers' kept values": 0.0, "outside the layers": 0.0, "logits": 0.0}
     for powers, coefficient in costs.activations.terms.items():
@@ -446,22 +529,25 @@ def ring_hop_tokens(
     dtype: str = "bfloat16",
     efficiency: float | None = None,
     causal: bool = True,
+    groups: int = 1,
 ) -> float:
     """Tokens of a sequence per device above which each ring-attention hop computes longer
-    than it takes to send the next block over the link the ring's axis crosses (`link`),
-    whatever the model's shape. A chunk of c tokens scores a share p of its c^2 pairs with the
-    block in hand (a half under a causal mask, on the zig-zag ring): forward, 4 p c^2 H D
-    FLOPs against a K and a V block of c H D values in `dtype`; backward, 10 p c^2 H D FLOPs
-    (five products) against K and V again and their float32 gradients. The larger of the
-    two thresholds. `efficiency` defaults to the hardware's."""
+    than it takes to send the next block over the link the ring's axis crosses (`link`; a
+    permute, on one adapter). A chunk of c tokens scores a share p of its c^2 pairs with
+    the block in hand (a half under a causal mask, on the zig-zag ring): forward,
+    4 p c^2 H D FLOPs against a K and a V block of c K D values in `dtype`, K = H / `groups`
+    key/value heads (grouped-query attention sends `groups` times less); backward,
+    10 p c^2 H D FLOPs (five products) against K and V again and their float32 gradients.
+    The larger of the two thresholds. `efficiency` defaults to the hardware's attention
+    kernel's (`Hardware.attention`), else its products'."""
     hw = hardware(hw)
-    efficiency = hw.efficiency if efficiency is None else efficiency
-    bandwidth, _ = link([axis], mesh, hw)
+    efficiency = (hw.attention or hw.efficiency) if efficiency is None else efficiency
+    bandwidth, _ = link([axis], mesh, hw, rails=False)
     share = 0.5 if causal else 1.0
     width, reach = DTYPE_BYTES[dtype], hw.flops * efficiency / bandwidth
     forward = 2 * width / (4 * share)
     backward = 2 * (width + STATE_BYTES) / (10 * share)
-    return max(forward, backward) * reach
+    return max(forward, backward) * reach / groups
 
 
 def crossover(cfg: Config, setup: Setup, hw: Hardware | str, seq: int | None = None) -> float:
