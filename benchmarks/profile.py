@@ -69,7 +69,7 @@ def main() -> None:
         trainer.train(batches, 1)
         found = profiles.profile(trainer, batches, probe, args.steps)
         hw, seconds = found.hw, found.seconds
-        model = costs.step_flops(cfg, batch, length)
+        model = costs.model_flops(cfg, batch, length)
         placed = profiles.roofline(found.rows, hw)
         busy = sum(r.seconds for r in found.rows) or 1.0
         names = {b: {p.name for p in placed if p.bound == b} for b in ("compute", "memory")}

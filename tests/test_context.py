@@ -16,7 +16,7 @@ from jax.sharding import PartitionSpec as P
 import nnxscale as nx
 from nnxscale import context, costs, layout
 from nnxscale.analysis.hlo import collectives
-from nnxscale.costs import published
+from nnxscale.evidence import memory as published
 from nnxscale.placement.mesh import make_mesh
 
 B, T, H, D = 2, 64, 4, 16

@@ -500,3 +500,20 @@ def test_the_collective_matmul_passes_each_block_once_around_the_ring() -> None:
     assert all(sorted(row) == sorted(by_step[0]) for row in by_step)  # each block once a step
     assert len(fig.axes[0].patches) == 16
     matplotlib.pyplot.close(fig)
+
+
+def test_the_grid_is_drawn_one_panel_a_model_with_every_priced_run() -> None:
+    from nnxscale.evidence import grid
+    from nnxscale.figures import plot_grid, plot_picks
+
+    priced = grid.priced()
+    fig = plot_grid(priced)
+    assert [ax.get_title().split(":")[0] for ax in fig.axes] == list(grid.MODELS)
+    drawn = sum(len(c.get_offsets()) for ax in fig.axes for c in ax.collections)
+    assert drawn == len(priced)
+    matplotlib.pyplot.close(fig)
+    groups = grid.rank(priced)
+    fig = plot_picks(groups, priced)
+    picked = [y for ax in fig.axes for y in ax.lines[1].get_ydata()]
+    assert sorted(picked) == sorted(g.pick.tokens for g in groups)
+    matplotlib.pyplot.close(fig)

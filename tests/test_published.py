@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 import nnxscale as nx
-from nnxscale.costs import published
+from nnxscale.evidence import memory as published
 
 
 def test_korthikanti_is_34_sbh_plus_5_as2b() -> None:

@@ -22,6 +22,7 @@ LAYERS = (
     "checkpoint",
     "parallelism",
     "costs",
+    "evidence",
     "profiling",
     "figures",
 )

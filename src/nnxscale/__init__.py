@@ -6,7 +6,7 @@ initialisation, the trainer and its options, checkpoints, and the compiled progr
 collectives, memory and plan. Everything else lives in the modules, spelled with theirs
 (`nx.fsdp`, `nx.pipeline`, `nx.schedules`, `nx.hlo`, `nx.costs`, `nx.show`, ...), each
 `nx.<module>` whatever layer (subpackage) holds it: core, runtime, placement, model, analysis,
-train, checkpoint, parallelism, costs, profiling, figures.
+train, checkpoint, parallelism, costs, evidence, profiling, figures.
 
 Importing starts no JAX backend, so the setup cell can still emulate devices after it.
 """
@@ -17,7 +17,7 @@ from nnxscale.runtime import environment
 
 environment.check_versions()  # before anything imports jax or flax
 
-from nnxscale import checkpoint, cli, costs, figures, model, train
+from nnxscale import checkpoint, cli, costs, evidence, figures, model, train
 from nnxscale.analysis import comm, hlo, program
 from nnxscale.analysis.hlo import collectives
 from nnxscale.checkpoint import integrity, multi
@@ -110,9 +110,9 @@ __all__ = [
 
 MODULES = (
     activations, agree, annotations, calculator, checkpoint, cli, comm, compiling, configs,
-    context, costs, data, devices, diagnose, dropless, environment, events, figures, formula,
-    fsdp, growth, hlo, init, integrity, launch, layout, losses, machine, memory, mesh, model,
-    moe, multi, naming, overlap, params, pipeline, planner, preemption, problems, profiles,
-    program, rounds, rules, schedules, show, train, trees,
+    context, costs, data, devices, diagnose, dropless, environment, events, evidence, figures,
+    formula, fsdp, growth, hlo, init, integrity, launch, layout, losses, machine, memory, mesh,
+    model, moe, multi, naming, overlap, params, pipeline, planner, preemption, problems,
+    profiles, program, rounds, rules, schedules, show, train, trees,
 )  # fmt: skip
 """The modules, each reached as `nx.<module>`: the rest of the library, spelled with its home."""

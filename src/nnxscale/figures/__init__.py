@@ -3,6 +3,7 @@
 from nnxscale.figures.activations import plot_collective_matmul, plot_sequence_parallel
 from nnxscale.figures.checkpoints import plot_restore, plot_saves
 from nnxscale.figures.drawing import SUM, matrix_view
+from nnxscale.figures.evidence import plot_grid, plot_picks
 from nnxscale.figures.failures import plot_failures
 from nnxscale.figures.layouts import (
     block_sources,
@@ -43,12 +44,14 @@ __all__ = [
     "plot_dispatch",
     "plot_failures",
     "plot_fsdp_timeline",
+    "plot_grid",
     "plot_init_memory",
     "plot_layouts",
     "plot_ledger",
     "plot_links",
     "plot_mesh",
     "plot_on_mesh",
+    "plot_picks",
     "plot_profile",
     "plot_restore",
     "plot_ring",
