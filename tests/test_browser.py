@@ -439,7 +439,8 @@ def calculator_grid() -> list[dict]:
     """Every planned strategy on every device, for three dense models and two mixtures of
     experts, clusters and setups (each with its remat policies and two micro-batch counts, a
     pipeline on the lockstep executor, on 1F1B with one and two virtual stages, on ZB-H1 and
-    on ZB-V): over 500 inputs, some that cannot run."""
+    on ZB-V), under both memory ledgers and every precision: over 500 inputs, some that
+    cannot run."""
     from nnxscale import configs, costs
     from nnxscale.costs.planner import EXPERT_PLANNED, PLANNED
 
@@ -472,7 +473,7 @@ def calculator_grid() -> list[dict]:
     ]
     wrong = [dict(switch, top_k=5), dict(switch, capacity_factor=0), dict(switch, experts=-1)]
     clusters += [(cfg, 12, 24, 48, (2, 3, 2, 2, 2), ["H100"]) for cfg in wrong]
-    return [
+    found = [
         {
             **cfg, "seq": seq, "batch": batch, "devices": devices, "hardware": hardware,
             "strategy": strategy, "tensor": degrees[0], "stages": degrees[1],
@@ -490,6 +491,12 @@ def calculator_grid() -> list[dict]:
         if (schedule != "lockstep") == strategy.startswith("PP")
         or (schedule, remat) == ("lockstep", "no")
     ]  # fmt: skip
+    # both ledgers and every precision, each on a third and a sixth of any regular slice
+    precisions = list(costs.PRECISIONS)
+    return [
+        {**i, "ledger": ("program", "fused", "fused")[k % 3], "precision": precisions[k % 6]}
+        for k, i in enumerate(found)
+    ]
 
 
 SIZES = ("vocab", "embed", "heads", "kv_heads", "head_dim", "mlp", "layers")
@@ -516,7 +523,8 @@ def library_answer(inputs: dict) -> tuple[str, object]:
     try:
         setup = calculator.setup_for(
             STRATEGIES[inputs["strategy"]], inputs["devices"], degrees, inputs["micro"], remat,
-            inputs["schedule"], inputs["virtual"],
+            inputs["schedule"], inputs["virtual"], inputs["ledger"],
+            costs.PRECISIONS[inputs["precision"]],
         )  # fmt: skip
     except ValueError as error:
         return ("reason" if "virtual=" in str(error) else "mesh"), str(error)

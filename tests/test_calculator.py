@@ -12,7 +12,7 @@ from importlib import resources
 import pytest
 from test_browser import calculator_grid, library_answer
 
-from nnxscale import calculator
+from nnxscale import calculator, costs
 from nnxscale.placement.rules import STRATEGIES
 
 RUN = """
@@ -23,7 +23,7 @@ const spec = %s;
 process.stdout.write(JSON.stringify(%s.map((i) => window.nnxscaleCalculator.stepCost(
   spec, i, i.strategy, i.remat, spec.hardware.find((h) => h.name === i.hardware), i.devices,
   Object.fromEntries(Object.values(spec.degrees).map((name) => [name, i[name]])),
-  i.batch, i.seq, i.micro, i.schedule, i.virtual))));
+  i.batch, i.seq, i.micro, i.schedule, i.virtual, i.ledger, i.precision))));
 """
 """The script's `stepCost` over a list of the grid's inputs, without a page."""
 
@@ -31,15 +31,20 @@ process.stdout.write(JSON.stringify(%s.map((i) => window.nnxscaleCalculator.step
 def test_a_pipeline_takes_its_schedule_and_other_rule_sets_ignore_it() -> None:
     degrees = {"tensor": 2, "stages": 2, "context": 2, "replicas": 2, "expert_axis": 2}
     pp = STRATEGIES["PP+FSDP+TP"]
-    lockstep = calculator.setup_for(pp, 8, degrees, 4, "full", "lockstep", 2)
+    lockstep = calculator.setup_for(pp, 8, degrees, 4, "full", "lockstep", 2, "program")
     assert (lockstep.schedule, lockstep.virtual, lockstep.remat) == ("lockstep", 1, False)
+    assert lockstep.precision == costs.PLANNING and lockstep.ledger == "program"
     interleaved = calculator.setup_for(pp, 8, degrees, 4, "full", "1F1B", 2)
     assert (interleaved.schedule, interleaved.virtual, interleaved.remat) == ("1F1B", 2, "full")
     fsdp = calculator.setup_for(STRATEGIES["FSDP"], 8, degrees, 4, "dots", "1F1B", 2)
     assert (fsdp.schedule, fsdp.virtual, fsdp.remat) == ("lockstep", 1, "dots")
     strategies = calculator.spec()["strategies"]
-    assert set(strategies["PP+FSDP+TP"]["one_f_one_b"]["0"]) == {"no", "dots", "full"}
-    assert strategies["FSDP"]["one_f_one_b"] == {}
+    for ledger in costs.LEDGERS:
+        forms = strategies["PP+FSDP+TP"]["ledgers"][ledger]
+        assert set(forms["one_f_one_b"]["0"]) == {"no", "dots", "full"}
+        assert strategies["FSDP"]["ledgers"][ledger]["one_f_one_b"] == {}
+    assert strategies["PP+FSDP+TP"]["ledgers"]["fused"]["mlp"] == {}  # no lockstep executor
+    assert "ledger='program'" in strategies["PP+FSDP+TP"]["unledgered"]
 
 
 def test_the_script_computes_what_the_library_computes() -> None:

@@ -1,9 +1,9 @@
 // The cost model of nnxscale.costs, in the browser. The library writes into the page, for
-// every rule set the planner considers, the formulas it derives from that rule set (SPEC);
-// this script evaluates them and repeats only step_cost's arithmetic rules: the moments
-// that can be a step's peak, the link a collective crosses and the lane it shares, what
-// compute hides, and a pipeline's bubble on its schedule. A browser test compares its
-// answers with the library's.
+// every rule set the planner considers and each memory ledger, the formulas it derives from
+// that rule set (SPEC); this script evaluates them and repeats only step_cost's arithmetic
+// rules: the moments that can be a step's peak, the precision's bytes, the link a
+// collective crosses and the lane it shares, what compute hides, the host's launches, and a
+// pipeline's bubble on its schedule. A browser test compares its answers with the library's.
 (function () {
   "use strict";
 
@@ -58,7 +58,7 @@
     if (c.ring_axis && ring < 2) return `a context ring needs 2 or more devices on '${c.ring_axis}', not ${ring}`;
     if (seq % (2 * ring)) return `${seq} tokens do not cut into 2 x ${ring} chunks for the zig-zag ring`;
     const stages = c.stage_axis ? mesh[c.stage_axis] : 1;
-    if (micro < stages) return `${stages} stages need at least ${stages} micro-batches (1F1B)`;
+    if (micro < stages && schedule !== "1F1B") return `${stages} stages need at least ${stages} micro-batches on the ${schedule} schedule (1F1B runs fewer, idling (p - 1) / (m + p - 1) of its step)`;
     if (schedule.startsWith("ZB") && remat === "full") return `${schedule} defers each W, which reads its products' inputs kept from B; full remat rebuilds them inside B and would hold them until W: use remat='dots' or none`;
     if (schedule === "ZB-V" && micro < 2 * stages - 1) return `ZB-V on ${stages} stages fills its V with 2p - 1 = ${2 * stages - 1} micro-batches, not ${micro}: use more, or 1F1B or ZB-H1`;
     if (schedule === "1F1B" && virtual > 1 && micro % stages) return `interleaved 1F1B needs micro-batches (${micro}) a multiple of the stages (${stages})`;
@@ -66,16 +66,34 @@
     return "";
   }
 
-  // nnxscale.costs.memory_phases
-  function phases(c, sizes, micro) {
+  // nnxscale.costs.memory_phases: every gradient scaled by the precision's width (g)
+  function phases(c, sizes, micro, g) {
     const f = (name) => evaluate(c[name], sizes);
-    if (c.stage_axis && c.schedule === "lockstep") return { "a backward task": f("activations") + f("rebuilt") + f("gradients") + f("weights") + f("head") };
-    const accumulate = micro > 1 ? f("accumulator") : 0;
-    const kept = f("activations") + f("weights") + f("head_gradients");
+    if (c.stage_axis && c.schedule === "lockstep") return { "a backward task": f("activations") + f("rebuilt") + f("weights") + f("head") + g * f("gradients") };
+    const accumulate = micro > 1 ? g * f("accumulator") : 0;
+    const weights = f("weights") + accumulate;
+    const kept = f("activations") + weights + g * f("head_gradients");
+    const found = {
+      "backward starts": kept + f("head"),
+      "a layer's backward": kept + f("rebuilt") + g * f("layer_gradients"),
+      update: c.in_place ? g * f("gradients") : 2 * g * f("gradients") + accumulate,
+    };
+    if (!c.stage_axis) return found;
+    return { // one program per stage: its first and its last
+      "the first stage's backward starts": f("activations") + weights,
+      "the last stage's backward starts": f("last_stage") + f("head") + g * f("head_gradients") + weights,
+      "a layer's backward": found["a layer's backward"],
+      update: found.update,
+    };
+  }
+
+  // nnxscale.costs.state_bytes: the book's state scaled to the precision's bytes
+  function stateBytes(spec, c, sizes, precision) {
+    const book = spec.constants.BOOK;
+    const optimizer = (p) => p.master + p.moments + p.ema;
     return {
-      "backward starts": kept + f("head") + accumulate,
-      "a layer's backward": kept + f("rebuilt") + f("layer_gradients") + accumulate,
-      update: 2 * f("gradients") + accumulate,
+      parameters: (evaluate(c.state.parameters, sizes) * precision.parameters) / book.parameters,
+      "optimizer state": (evaluate(c.state["optimizer state"], sizes) * optimizer(precision)) / optimizer(book),
     };
   }
 
@@ -86,15 +104,26 @@
     return product(names.slice(first).map((a) => mesh[a])) <= hw.domain;
   }
 
-  function link(axes, mesh, hw) {
-    if (!within(axes, mesh, hw)) return [hw.slow, hw.far_hop];
+  // nnxscale.costs.members
+  function members(axes, mesh, hw) {
+    const names = Object.keys(mesh);
+    let found = 1;
+    for (const a of axes) {
+      const stride = product(names.slice(names.indexOf(a) + 1).map((b) => mesh[b]));
+      found *= Math.min(mesh[a], Math.max(1, Math.floor(hw.domain / stride)));
+    }
+    return found;
+  }
+
+  function link(axes, mesh, hw, rails = true) {
+    if (!within(axes, mesh, hw)) return [Math.min(hw.fast, (rails ? members(axes, mesh, hw) : 1) * hw.slow), hw.far_hop];
     const n = product(axes.map((a) => mesh[a]));
     const line = hw.wrap > 0 && n % hw.wrap !== 0;
     return [line ? hw.fast / 2 : hw.fast, hw.hop];
   }
 
   function collectiveSeconds(kind, array, n, mesh, axes, hw) {
-    const [bandwidth, hop] = link(axes, mesh, hw);
+    const [bandwidth, hop] = link(axes, mesh, hw, kind !== "collective-permute");
     const ring = hw.ring && within(axes, mesh, hw);
     const steps = kind === "all-reduce" ? 2 * (n - 1) : kind === "collective-permute" ? 1 : n - 1;
     let sent, moved;
@@ -152,41 +181,61 @@
     return Math.min(total, excess + first);
   }
 
+  // nnxscale.costs.hardware.shared: the share of memory a plan under the ledger may fill
+  function shared(spec, hw, ledger) {
+    return ledger === "program" ? hw.usable : Math.max(hw.usable, spec.constants.TUNED_SHARE);
+  }
+
   // nnxscale.costs.step_cost
-  function stepCost(spec, cfg, strategy, remat, hw, devices, degrees, batch, seq, micro, schedule = "lockstep", virtual = 1) {
+  function stepCost(spec, cfg, strategy, remat, hw, devices, degrees, batch, seq, micro, schedule = "lockstep", virtual = 1, ledger = "fused", precisionName = null) {
     const mesh = meshFor(spec, strategy, devices, degrees);
     if (!mesh) return { reason: `the degrees do not divide ${devices} devices` };
     const s = spec.strategies[strategy];
+    const precision = spec.precisions[precisionName] || spec.constants.BOOK;
+    const forms = s.ledgers[ledger];
     // nnxscale.calculator.setup_for: a pipeline on its schedule, the others on none
-    const f1b = schedule !== "lockstep" && Object.keys(s.one_f_one_b).length > 0;
+    const pipeline = Object.keys(forms.one_f_one_b).length > 0 || s.unledgered !== "";
+    const f1b = pipeline && schedule !== "lockstep";
     const sched = f1b ? schedule : "lockstep";
+    const policy = pipeline && !f1b ? "no" : remat; // the lockstep executor rebuilds its stages
     // nnxscale.costs.Setup.of: ZB-V runs two stages a device (its V), ZB-H1 one
     const v = !f1b ? 1 : sched === "ZB-V" && (virtual === 1 || virtual === 2) ? 2 : virtual;
     if (!(Number.isInteger(v) && v >= 1) || (v > 1 && sched !== "1F1B" && sched !== "ZB-V")) {
       return { reason: `virtual=${v}: virtual stages are a positive integer, more than one only for the 1F1B schedule (interleaved 1F1B; ZB-V always runs two)`, mesh };
     }
     const kind = String(mlpKind(cfg));
-    const tables = f1b ? s.one_f_one_b : s.mlp;
-    const problem = mixtureProblem(cfg) || (kind in tables ? "" : s.unpriced[f1b ? "1F1B" : "lockstep"]);
+    const tables = f1b ? forms.one_f_one_b : forms.mlp;
+    const unpriced = s.unpriced[f1b ? "1F1B" : "lockstep"][kind];
+    const problem = mixtureProblem(cfg) || (kind in tables ? "" : unpriced || s.unledgered);
     if (problem) return { reason: problem, mesh };
     const table = tables[kind];
-    const c = table[remat in table ? remat : Object.keys(table)[0]];
+    const c = table[policy in table ? policy : Object.keys(table)[0]];
     const sizes = Object.assign(modelSizes(spec, cfg, seq), { batch, seq, micro, virtual: v, interleaved: v > 1 && sched === "1F1B" ? 1 : 0 }, mesh);
     // nnxscale.costs.counts._padded: the busiest stage's layers, times the stages and virtual stages
     const stages = c.stage_axis ? mesh[c.stage_axis] : 1;
     sizes.layers = Math.ceil(cfg.layers / (stages * v)) * stages * v;
-    const reason = unsuitable(c, sizes, mesh, batch, seq, micro, cfg.layers, v, sched, remat);
+    sizes.flight = Math.min(stages, micro);
+    const reason = unsuitable(c, sizes, mesh, batch, seq, micro, cfg.layers, v, sched, policy);
     if (reason) return { reason, mesh };
-    const memory = {};
-    for (const [name, f] of Object.entries(c.state)) memory[name] = evaluate(f, sizes);
-    const found = phases(c, sizes, micro);
+    const g = precision.gradients / spec.constants.STATE_BYTES;
+    const memory = stateBytes(spec, c, sizes, precision);
+    const found = phases(c, sizes, micro, g);
     memory["working memory"] = Math.max(...Object.values(found));
     const flops = evaluate(c.flops, sizes);
-    const state = Object.keys(c.state).reduce((s, k) => s + memory[k], 0);
+    const state = Object.keys(c.state).reduce((a, k) => a + memory[k], 0);
+    // nnxscale.costs.compute_seconds: products at the efficiency, flash attention at its own
+    // share, the traffic through memory; no faster than the host launches the layers
     const traffic = 2 * evaluate(c.activations, sizes) + 3 * evaluate(c.weights, sizes) + 3 * state;
-    let compute = flops / (hw.flops * hw.efficiency) + traffic / hw.hbm;
+    const attention = hw.attention ? evaluate(c.attention_flops, sizes) : 0;
+    const launched = (sizes.layers / stages) * micro * (policy === "full" ? 1.5 : 1);
+    let compute = Math.max(
+      (flops - attention) / (hw.flops * hw.efficiency) + attention / (hw.flops * (hw.attention || 1)) + traffic / hw.hbm,
+      hw.launch * launched,
+    );
     const forward = (compute * evaluate(c.forward_flops, sizes)) / flops;
-    const window = { gather: compute, reduce: compute - forward, ring: (compute * evaluate(c.attention_flops, sizes)) / flops };
+    const once = c.stage_axis ? micro : 1; // a pipeline reduces after its last micro-batch
+    const window = { gather: compute, reduce: (compute - forward) / once, ring: (compute * evaluate(c.attention_flops, sizes)) / flops };
+    const widths = { gradients: g, "updated parameters": precision.parameters / spec.constants.STATE_BYTES };
     let sent = 0, seconds = 0, exposed = 0;
     const crossing = c.transfers.filter((t) => product(t.axes.map((a) => mesh[a])) > 1);
     const where = crossing.map((t) => [t.axes, within(t.axes, mesh, hw) ? "fast" : "slow"]);
@@ -195,11 +244,14 @@
     crossing.forEach((t, i) => {
       const n = product(t.axes.map((a) => mesh[a]));
       const passes = evaluate(t.passes, sizes);
-      const [s, time] = collectiveSeconds(t.kind, evaluate(t.array, sizes), n, mesh, t.axes, hw);
+      const array = evaluate(t.array, sizes) * (widths[t.what] ?? 1);
+      let [s, time] = collectiveSeconds(t.kind, array, n, mesh, t.axes, hw);
+      const hidden = spec.constants.HIDDEN.includes(t.overlap);
+      if (!hidden) time += hw.sync; // each waits for every device of its group
       sent += passes * s;
       seconds += passes * time;
       busy[lane[i]] = (busy[lane[i]] || 0) + passes * time;
-      if (!spec.constants.HIDDEN.includes(t.overlap)) exposed += passes * time;
+      if (!hidden) exposed += passes * time;
       else (links[lane[i]] = links[lane[i]] || []).push([passes * time, t.overlap, evaluate(t.launches, sizes)]);
     });
     for (const group of Object.values(links)) exposed += hide(group, window);
@@ -216,6 +268,7 @@
       mesh, memory, peak, flops, sent, comm_time: seconds, exposed, compute_time: compute, bubble, step_time: step,
       params: evaluate(spec.parameters[kind], sizes) / spec.constants.STATE_BYTES,
       bound: busiest > compute ? "communication" : "compute",
+      usable: hw.memory * shared(spec, hw, ledger),
     };
   }
 
@@ -236,12 +289,14 @@
       const hw = spec.hardware.find((h) => h.name === form.elements.hardware.value);
       const degrees = {};
       for (const name of Object.values(spec.degrees)) degrees[name] = n(name);
-      const r = stepCost(spec, cfg, form.elements.strategy.value, form.elements.remat.value, hw, n("devices"), degrees, n("batch"), n("seq"), n("micro"), form.elements.schedule.value, n("virtual"));
+      const ledger = form.elements.ledger.value;
+      const r = stepCost(spec, cfg, form.elements.strategy.value, form.elements.remat.value, hw, n("devices"), degrees, n("batch"), n("seq"), n("micro"), form.elements.schedule.value, n("virtual"), ledger, form.elements.precision.value);
       if (r.reason) {
         out.innerHTML = `<p data-field="verdict">cannot run: ${r.reason}</p>`;
         return;
       }
-      const usable = hw.memory * hw.usable; // nnxscale.costs.Hardware.usable: JAX's share on a GPU
+      const usable = r.usable; // JAX's default share for the program, a tuned trainer's for the fused ledger
+      const share = usable / hw.memory;
       const limit = usable / spec.constants.HEADROOM;
       const scale = Math.max(r.peak, hw.memory);
       const bar = Object.entries(r.memory).map(([k, b]) =>
@@ -252,7 +307,8 @@
         ["parameter count", (r.params / 1e9).toFixed(3) + " billion", r.params],
         ["mesh", Object.entries(r.mesh).filter(([, s]) => s > 1).map(([a, s]) => `${a} ${s}`).join(" x ") || "one device", ""],
         ...Object.entries(r.memory).map(([k, b]) => [k, gb(b), b]),
-        ["peak per device", `${gb(r.peak)}: ${fits ? "fits" : "does not fit"} (x ${spec.constants.HEADROOM} headroom, of ${gb(usable)}${hw.usable < 1 ? `, JAX's default ${Math.round(100 * hw.usable)}% of ${gb(hw.memory)}` : ""})`, r.peak],
+        ["peak per device", `${gb(r.peak)}: ${fits ? "fits" : "does not fit"} (x ${spec.constants.HEADROOM} headroom, of ${gb(usable)}${share < 1 ? `, ${ledger === "program" ? "JAX's default" : "a tuned trainer's"} ${Math.round(100 * share)}% of ${gb(hw.memory)}` : ""})`, r.peak],
+        ["memory ledger", spec.ledgers[ledger], ""],
         ["bytes sent per device", gb(r.sent), r.sent],
         ["FLOPs per device", r.flops.toExponential(3), r.flops],
         ["compute time", r.compute_time.toFixed(4) + " s", r.compute_time],

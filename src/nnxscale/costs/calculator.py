@@ -18,10 +18,19 @@ from importlib import resources
 from typing import Any
 
 from nnxscale.costs.arrays import OVERLAPS
-from nnxscale.costs.counts import SCHEDULES, SEVEN_B, STATE_BYTES, Setup
+from nnxscale.costs.counts import (
+    LEDGERS,
+    PLANNING,
+    PRECISIONS,
+    SCHEDULES,
+    SEVEN_B,
+    STATE_BYTES,
+    Precision,
+    Setup,
+)
 from nnxscale.costs.coverage import unpriced
-from nnxscale.costs.derive import derive
-from nnxscale.costs.hardware import HARDWARE
+from nnxscale.costs.derive import derive, unledgered
+from nnxscale.costs.hardware import HARDWARE, TUNED_SHARE
 from nnxscale.costs.planner import EXPERT_PLANNED, HEADROOM, PLANNED, REMATS
 from nnxscale.costs.steps import HIDDEN
 from nnxscale.model.context import BLOCK
@@ -49,13 +58,16 @@ def setup_for(
     remat: bool | str,
     schedule: str = "lockstep",
     virtual: int = 1,
+    ledger: str = "fused",
+    precision: Precision = PLANNING,
 ) -> Setup:
     """The setup the calculator prices: the axes named in `DEGREES` of the size asked, the
     rest of the devices on the first other axis the rule set uses (a rule set of one axis
     takes them all), and the axes it does not use of one device. A pipeline runs on
     `schedule`, with `virtual` stages on 1F1B (two on ZB-V); the lockstep executor rebuilds
     its stages itself, so it takes no remat policy (nor do other rule sets take a
-    schedule)."""
+    schedule). Memory is `ledger`'s, the state holds `precision`'s bytes per parameter."""
+    chosen = {"precision": precision, "ledger": ledger}
     used = rules.mesh_axes()
     sizes = {a: degrees.get(DEGREES[a], 1) for a in rules.axes if a in DEGREES and a in used}
     if len(rules.axes) == 1:
@@ -71,10 +83,10 @@ def setup_for(
             "degrees whose product divides the device count"
         )
     if not rules.axes_of("layers"):
-        return Setup.of(rules, mesh, micro, remat)
+        return Setup.of(rules, mesh, micro, remat, **chosen)
     if schedule == "lockstep":
-        return Setup.of(rules, mesh, micro, False)
-    return Setup.of(rules, mesh, micro, remat, schedule=schedule, virtual=virtual)
+        return Setup.of(rules, mesh, micro, False, **chosen)
+    return Setup.of(rules, mesh, micro, remat, schedule=schedule, virtual=virtual, **chosen)
 
 
 MLPS = (0, 1, 2)
@@ -83,9 +95,10 @@ whose tokens choose one expert, one whose tokens choose several."""
 
 
 def spec() -> dict[str, Any]:
-    """What the JavaScript computes with, all from the library: hardware, constants, and for
-    each planned rule set, kind of MLP and remat policy the formulas `costs.derive` gives (or
-    why the cost model has none: `unpriced`)."""
+    """What the JavaScript computes with, all from the library: hardware, constants, the
+    precisions, and for each planned rule set, ledger, kind of MLP and remat policy the
+    formulas `costs.derive` gives (or why the cost model has none: `unpriced`,
+    `unledgered`)."""
     strategies = {}
     for name in PLANNED + EXPERT_PLANNED:
         rules = STRATEGIES[name]
@@ -94,21 +107,34 @@ def spec() -> dict[str, Any]:
             "axes": list(rules.axes),
             "used": [a for a in rules.axes if a in rules.mesh_axes()],
             "unpriced": {
-                schedule: unpriced(rules, 1, schedule) for schedule in ("lockstep", "1F1B")
+                schedule: {str(moe): unpriced(rules, moe, schedule) for moe in MLPS}
+                for schedule in ("lockstep", "1F1B")
             },
-            "mlp": _formulas(rules, "lockstep", (False,) if pipeline else REMATS),
-            "one_f_one_b": _formulas(rules, "1F1B", REMATS) if pipeline else {},
+            "unledgered": unledgered(rules, "lockstep", "fused"),
+            "ledgers": {
+                ledger: {
+                    "mlp": {}
+                    if pipeline and ledger == "fused"
+                    else _formulas(rules, "lockstep", (False,) if pipeline else REMATS, ledger),
+                    "one_f_one_b": _formulas(rules, "1F1B", REMATS, ledger) if pipeline else {},
+                }
+                for ledger in LEDGERS
+            },
         }
     return {
         "hardware": [dataclasses.asdict(hw) for hw in HARDWARE.values()],
         "strategies": strategies,
         "degrees": DEGREES,
         "overlaps": list(OVERLAPS),
+        "precisions": {k: dataclasses.asdict(v) for k, v in PRECISIONS.items()},
+        "ledgers": LEDGERS,
         "constants": {
             "HIDDEN": list(HIDDEN),
             "HEADROOM": HEADROOM,
             "STATE_BYTES": STATE_BYTES,
             "BLOCK": BLOCK,
+            "TUNED_SHARE": TUNED_SHARE,
+            "BOOK": dataclasses.asdict(Precision()),
         },
         "parameters": {
             str(moe): derive(STRATEGIES["DP"], DTYPE, False, moe).state["parameters"].json()
@@ -117,11 +143,16 @@ def spec() -> dict[str, Any]:
     }
 
 
-def _formulas(rules: Rules, schedule: str, remats: tuple[bool | str, ...]) -> dict[str, object]:
+def _formulas(
+    rules: Rules, schedule: str, remats: tuple[bool | str, ...], ledger: str
+) -> dict[str, object]:
     """Per kind of MLP the cost model prices for `rules`, and per remat policy, the formulas
-    of a step on `schedule` (a pipeline's; the others ignore it)."""
+    of a step on `schedule` (a pipeline's; the others ignore it) under `ledger`."""
     return {
-        str(moe): {_remat_name(r): derive(rules, DTYPE, r, moe, schedule).json() for r in remats}
+        str(moe): {
+            _remat_name(r): derive(rules, DTYPE, r, moe, schedule, ledger=ledger).json()
+            for r in remats
+        }
         for moe in MLPS
         if not unpriced(rules, moe, schedule)
     }
@@ -163,22 +194,14 @@ def widget(
     sequences: int = 64,
     micro_batches: int = 4,
     remat: str = "dots",
+    ledger: str = "fused",
 ) -> Calculator:
-    """The in-page calculator, starting from `cfg` and a cluster; every input can be changed."""
+    """The in-page calculator, starting from `cfg` and a cluster; every input can be changed,
+    the memory ledger (`nnxscale.costs.LEDGERS`) and the precision of the state included
+    (the planner's by default: `nnxscale.costs.PLANNING`)."""
+    planning = next(k for k, v in PRECISIONS.items() if v == PLANNING)
 
-    def number(name: str, label: str, value: float, least: int = 1, step: float = 1) -> str:
-        return (
-            f'<label>{label}<input name="{name}" type="number" min="{least}" step="{step}" '
-            f'value="{value}"></label>'
-        )
-
-    def choice(name: str, label: str, options: list[str], chosen: str) -> str:
-        items = "".join(
-            f"<option{' selected' if o == chosen else ''}>{html.escape(o)}</option>"
-            for o in options
-        )
-        return f'<label>{label}<select name="{name}">{items}</select></label>'
-
+    number, choice = _number, _choice
     inputs = [
         number(name, label, getattr(cfg, name), 0 if name == "experts" else 1)
         for name, label in FIELDS
@@ -197,8 +220,10 @@ def widget(
         number("expert_axis", "expert axis (EP)", 2),
         number("micro", "micro-batches", micro_batches),
         choice("remat", "remat", ["no", "dots", "full"], remat),
-        choice("schedule", "pipeline schedule", list(SCHEDULES), "lockstep"),
+        choice("schedule", "pipeline schedule", list(SCHEDULES), "1F1B"),
         number("virtual", "virtual stages (1F1B)", 1),
+        choice("ledger", "memory ledger", list(LEDGERS), ledger),
+        choice("precision", "state per parameter", list(PRECISIONS), planning),
     ]
     script = resources.files("nnxscale.costs").joinpath("calculator.js").read_text()
     data = json.dumps(spec()).replace("</", "<\\/")
@@ -210,6 +235,22 @@ def widget(
         f"<style>{STYLE}</style><script>{script}</script></div>"
     )
     return Calculator(markup)
+
+
+def _number(name: str, label: str, value: float, least: int = 1, step: float = 1) -> str:
+    """A number field of the form."""
+    return (
+        f'<label>{label}<input name="{name}" type="number" min="{least}" step="{step}" '
+        f'value="{value}"></label>'
+    )
+
+
+def _choice(name: str, label: str, options: list[str], chosen: str) -> str:
+    """A drop-down of the form."""
+    items = "".join(
+        f"<option{' selected' if o == chosen else ''}>{html.escape(o)}</option>" for o in options
+    )
+    return f'<label>{label}<select name="{name}">{items}</select></label>'
 
 
 STYLE = """
