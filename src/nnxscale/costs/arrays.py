@@ -117,7 +117,7 @@ _ARRAYS: dict[tuple[str, bool], list[PlacedArray]] = {}
 def arrays_of(rules: Rules, moe: bool) -> list[PlacedArray]:
     """Every parameter of the model with its axes under `rules`, for each role (resolved once
     per rule set)."""
-    key = (repr(rules), moe)
+    key = (rules.key, moe)
     if key not in _ARRAYS:
         _ARRAYS[key] = _resolved_arrays(rules, moe)
     return _ARRAYS[key]

@@ -4,6 +4,7 @@ activation bytes per token, the reference 8B and 70B models, and a strategy's `S
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Mapping
 
@@ -479,11 +480,13 @@ ROUTING = ("router", "dispatch", "combine")
 """A mixture's products that route tokens: they contract no tensor-parallel dimension."""
 
 
+@functools.cache
 def product_flops(
     remat: str | None, moe: bool = False, only: tuple[str, ...] = (), *, dropless: bool = False
 ) -> Formula:
     """Matmul FLOPs of one step over all devices (`step_flops`), as a formula: of every
-    product (`products`), or of those named in `only`."""
+    product (`products`), or of those named in `only`. Made once per choice (a formula's
+    evaluation is compiled on first use, and runs tables price thousands of steps)."""
     total = Formula()
     for p in (p for p in products(moe, dropless) if not only or p.name in only):
         again = (remat == "full" and p.full) or (remat == "dots" and p.dots)

@@ -117,6 +117,7 @@ class Costs:
 
 
 _DERIVED: dict[tuple[str, str, object, int, str, bool, str, str, bool], Costs] = {}
+_BASES: dict[tuple[str, str, object, int, str], Costs] = {}
 
 
 def derive(
@@ -147,10 +148,12 @@ def derive(
     if ledger == "program":  # the program traces its own loss and gathers
         loss, regather = "fused", True
     policy = remat_policy(remat)
-    key = (repr(rules), compute_dtype, policy, moe, schedule, reduce_once, ledger, loss)
-    key += (regather,)
+    base = (rules.key, compute_dtype, policy, moe, schedule)
+    key = (*base, reduce_once, ledger, loss, regather)
     if key not in _DERIVED:
-        costs = _derive(rules, compute_dtype, remat, moe, schedule)
+        if base not in _BASES:  # the program's formulas, which every ledger starts from
+            _BASES[base] = _derive(rules, compute_dtype, remat, moe, schedule)
+        costs = _BASES[base]
         arrays = arrays_of(rules, bool(moe))
         if ledger == "fused":
             how = (loss, regather)

@@ -4,6 +4,7 @@ time each collective takes on its link, what compute hides, and the memory ledge
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import numbers
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -156,9 +157,16 @@ def within(axes: Iterable[str], mesh: Mapping[str, int], hw: Hardware) -> bool:
     """Whether the devices along mesh `axes` lie in one fast domain. Devices fill the mesh
     with the last axis fastest, so the devices along the axes span the sizes from the first
     of them to the last axis of the mesh."""
-    names = list(mesh)
+    return _span(tuple(axes), tuple(mesh.items())) <= hw.domain
+
+
+@functools.cache
+def _span(axes: tuple[str, ...], mesh: tuple[tuple[str, int], ...]) -> int:
+    """How many consecutive devices the devices along `axes` span (`within`): worked out
+    once per mesh and axes, as the planner asks it of every collective of every setup."""
+    names = [a for a, _ in mesh]
     first = min(names.index(a) for a in axes)
-    return math.prod(mesh[a] for a in names[first:]) <= hw.domain
+    return math.prod(size for _, size in mesh[first:])
 
 
 def members(axes: Iterable[str], mesh: Mapping[str, int], hw: Hardware) -> int:
@@ -377,7 +385,7 @@ def step_cost(
     memory["working memory"] = max(phases.values())
     flops = costs.flops(sizes)
     state = sum(memory[k] for k in costs.state)
-    compute = compute_seconds(costs, setup, sizes, hw.replace(efficiency=efficiency), state)
+    compute = compute_seconds(costs, setup, sizes, hw, state, efficiency)
     forward = compute * costs.forward_flops(sizes) / flops
     once = costs.stage_axis is not None or setup.reduce_once  # after the last micro-batch
     window = {
@@ -397,17 +405,23 @@ def step_cost(
 
 
 def compute_seconds(
-    costs: Costs, setup: Setup, sizes: Mapping[str, float], hw: Hardware, state: float
+    costs: Costs,
+    setup: Setup,
+    sizes: Mapping[str, float],
+    hw: Hardware,
+    state: float,
+    efficiency: float | None = None,
 ) -> float:
     """Seconds a device computes in a step, before a pipeline's bubble: its products at
-    `hw.efficiency` of peak, flash attention's at `hw.attention` (where known), and the bytes
-    its elementwise work and optimizer move through memory (the kept activations twice, the
-    weights and the `state` three times); no faster than its host launches its layers
-    (`launched`)."""
+    `efficiency` of peak (default `hw.efficiency`), flash attention's at `hw.attention`
+    (where known), and the bytes its elementwise work and optimizer move through memory (the
+    kept activations twice, the weights and the `state` three times); no faster than its
+    host launches its layers (`launched`)."""
+    efficiency = hw.efficiency if efficiency is None else efficiency
     flops = costs.flops(sizes)
     traffic = 2 * costs.activations(sizes) + 3 * costs.weights(sizes) + 3 * state
     attention = costs.attention_flops(sizes) if hw.attention else 0.0
-    products = (flops - attention) / (hw.flops * hw.efficiency)
+    products = (flops - attention) / (hw.flops * efficiency)
     compute = products + attention / (hw.flops * (hw.attention or 1)) + traffic / hw.hbm
     return max(compute, hw.launch * launched(costs, setup, sizes))
 

@@ -249,7 +249,12 @@ def price(run: GridRun, hw: Hardware | str = "H100") -> Priced:
     """The cost model's tokens per second per GPU and peak memory for `run`."""
     if why := problem(run):
         raise ValueError(f"{run.model} {run.label}: {why}")
-    cost = step_cost(MODELS[run.model], run.setup(), hardware(hw), run.sequences, SEQ)
+    return _priced(run, hardware(hw))
+
+
+def _priced(run: GridRun, hw: Hardware) -> Priced:
+    """`price` for a run the cost model can express."""
+    cost = step_cost(MODELS[run.model], run.setup(), hw, run.sequences, SEQ)
     tokens = run.sequences * SEQ / (run.nodes * GPUS_PER_NODE) / cost.step_time
     return Priced(run, tokens, cost.peak)
 
@@ -257,9 +262,10 @@ def price(run: GridRun, hw: Hardware | str = "H100") -> Priced:
 def priced(hw: Hardware | str = "H100", clean: bool = True) -> list[Priced]:
     """Every measured run the cost model can express, priced on `hw`; with `clean`, less
     the `anomalies`."""
-    found = runs()
+    found, hw = runs(), hardware(hw)
     set_aside = anomalies(found) if clean else {}
-    return [price(r, hw) for r in found if r.ok and r not in set_aside and not problem(r)]
+    kept = (r for r in found if r.ok and r not in set_aside)
+    return [_priced(r, hw) for r in kept if not problem(r)]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -15,6 +15,7 @@ layout). The runs themselves are in `nnxscale.evidence.tpu` and `nnxscale.eviden
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections import defaultdict
 from collections.abc import Sequence
@@ -142,24 +143,32 @@ class Run:
         )
 
     def cost(self, efficiency: float | None = None) -> StepCost:
-        """The cost model's step for this run."""
+        """The cost model's step for this run (at its device's efficiency, priced once)."""
+        if efficiency is None:
+            return self._priced
         return step_cost(self.cfg, self.setup(), self.device(efficiency), self.batch, self.seq)
+
+    @functools.cached_property
+    def _priced(self) -> StepCost:
+        """The step at the device's own efficiency: the tables read it many times."""
+        return step_cost(self.cfg, self.setup(), self.device(), self.batch, self.seq)
 
     def predicted(self, efficiency: float | None = None) -> float | None:
         """The cost model's value of `quantity` (None when it cannot express the run)."""
         if self.rules is None:
             return None
-        cost = self.cost(efficiency)
-        hw = self.device(efficiency)
-        flops = model_flops(self.cfg, self.batch, self.seq) / self.devices
-        recomputed = step_flops(self.cfg, self.batch, self.seq, remat=self.remat) / self.devices
-        return {
-            "TFLOP/s per device": flops / cost.step_time / 1e12,
-            "hardware TFLOP/s per device": recomputed / cost.step_time / 1e12,
-            "tokens/s per device": self.batch * self.seq / self.devices / cost.step_time,
-            "MFU": flops / cost.step_time / hw.flops,
-            "step time (s)": cost.step_time,
-        }[self.quantity]
+        seconds = self.cost(efficiency).step_time
+        if self.quantity == "step time (s)":
+            return seconds
+        if self.quantity == "tokens/s per device":
+            return self.batch * self.seq / self.devices / seconds
+        if self.quantity == "hardware TFLOP/s per device":
+            recomputed = step_flops(self.cfg, self.batch, self.seq, remat=self.remat)
+            return recomputed / self.devices / seconds / 1e12
+        flops = model_flops(self.cfg, self.batch, self.seq) / self.devices / seconds
+        return (
+            flops / 1e12 if self.quantity == "TFLOP/s per device" else flops / self.device().flops
+        )
 
     @property
     def ratio(self) -> float | None:

@@ -44,6 +44,7 @@ def plot_grid(priced: Sequence[Priced]) -> Figure:
             )
         ax.set_xscale("log")
         ax.set_yscale("log")
+        ax.minorticks_off()
         ax.set_xlim(low, high)
         ax.set_ylim(low, high)
         ax.set_title(f"{model}: {len(mine)} runs", fontsize=10)

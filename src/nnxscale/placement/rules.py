@@ -9,6 +9,7 @@ divides the dimension; otherwise the dimension is replicated and the reason reco
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import re
 from collections.abc import Iterable, Mapping
@@ -21,7 +22,6 @@ from nnxscale.placement.mesh import grid_shape, make_mesh
 
 type MeshAxes = str | tuple[str, ...]
 """One candidate: a mesh axis, or several mesh axes used together for one dimension."""
-
 
 BATCH_AXES = ("data", "fsdp", "batch", "replica", "dp")
 """Mesh axis names that `mesh_axis_rules` takes for the batch's when it is not given, first
@@ -59,18 +59,16 @@ class Rules:
     `"use"` places them by `logical` only, `"ignore"` treats them as unnamed, `"fill"` places
     them by `logical` and then splits their largest still-whole dimension over `auto_axis`.
     `strict` turns a dimension that should be split and cannot be into an error.
-    `whole` lists roles (`ROLES`) the rules do not split over the batch's axes (data
-    parallelism; tensor, pipeline and expert axes still split them): ZeRO-1 is FSDP's rules
-    with parameters and gradients whole, ZeRO-2 with parameters whole, and ZeRO-1 inside
-    tensor parallelism keeps each parameter's tensor-parallel shard whole over `data`.
+    `whole` lists roles (`ROLES`) kept whole over the batch's axes (tensor, pipeline and
+    expert axes still split them): ZeRO-1 is FSDP's rules with parameters and gradients
+    whole, ZeRO-2 with parameters whole.
     `axes` and `sizes` describe the mesh (`strategy_mesh` builds it): an axis of size -1 takes
     the devices the others leave, one of size k takes the largest count up to k that divides
     what is left; without a -1 the sizes are the mesh's shape, for exactly that many devices.
 
-    Path rules are searched in every array's path; when several match, the one matching the
-    longest stretch of the path wins (`_query_norm/scale$` over `norm/scale$`), and two equally
-    long matches that give different names are refused: the order they are written in never
-    decides.
+    Path rules are searched in every array's path; when several match, the longest match wins
+    (`_query_norm/scale$` over `norm/scale$`), and two equally long matches that give
+    different names are refused: the order they are written in never decides.
     """
 
     name: str
@@ -119,10 +117,9 @@ class Rules:
     def candidates(
         self, logical_name: str, path: str, flax: Mapping[str, object] | None = None
     ) -> tuple[tuple[str, ...], ...]:
-        """The candidates for `logical_name`, each as a tuple of mesh axes. A name that Flax's
-        logical rules (`flax`: the active `nnx.logical_axis_rules` and the variable's own
-        `sharding_rules`, `flax_rules_of`) map tries Flax's mesh axes first and then this rule
-        set's candidates as fallbacks; Flax's None (replicate) is kept as it is."""
+        """The candidates for `logical_name`, each a tuple of mesh axes. A name Flax's logical
+        rules map (`flax`: the active `nnx.logical_axis_rules` and the variable's own
+        `sharding_rules`, `flax_rules_of`) tries Flax's axes first, then these; None replicates."""
         if flax and logical_name in flax:
             target = flax[logical_name]
             if target is None:
@@ -202,7 +199,17 @@ class Rules:
 
     def axes_of(self, name: str) -> tuple[str, ...]:
         """Every mesh axis among the candidates for logical axis `name`, in order."""
-        return tuple(a for c in self.logical.get(name, ()) for a in as_tuple(c))
+        return self._axes.get(name, ())
+
+    @functools.cached_property
+    def _axes(self) -> dict[str, tuple[str, ...]]:
+        """`axes_of` for every logical axis, made once: the planner asks it thousands of times."""
+        return {n: tuple(a for c in cs for a in as_tuple(c)) for n, cs in self.logical.items()}
+
+    @functools.cached_property
+    def key(self) -> str:
+        """The rule set as text (its repr, made once): what the cost model's caches key on."""
+        return repr(self)
 
     def shards_anything(self) -> bool:
         """Whether the rule set splits any parameter (DP and PP's replicated parts do not)."""
@@ -369,21 +376,18 @@ everything split, is FSDP.)"""
 FSDP_TP_SP = FSDP_TP.replace(
     name="FSDP+TP+SP", logical={**FSDP_TP.logical, "residual_length": ("model",)}
 )
-"""FSDP+TP with Megatron's sequence parallelism: the residual stream split along its
-sequence over `model` too (torchtitan's 2D parallelism)."""
+"""FSDP+TP with sequence parallelism, the residual stream split over `model` (torchtitan's 2D)."""
 
 ZERO1_TP = FSDP_TP.replace(
     name="ZeRO-1+TP",
     logical={**FSDP_TP.logical, "residual_length": ("model",)},
     whole=("params", "grads"),
 )
-"""ZeRO-1 inside tensor parallelism with sequence parallelism, as Megatron-LM's distributed
-optimizer and nanotron run them: each parameter split over `model` alone, its optimizer
-state over `model` and `data`, the batch over `data`."""
+"""ZeRO-1 inside tensor and sequence parallelism (Megatron-LM's distributed optimizer,
+nanotron): parameters split over `model`, their optimizer state over `model` and `data`."""
 
 PP_ZERO1_TP = PP_FSDP_TP.replace(name="PP+ZeRO-1+TP", whole=("params", "grads"))
-"""`ZERO1_TP` inside pipeline stages: stages over `stage`, the optimizer state split over
-`fsdp` as well (the batch's axis), the parameters over `model` alone."""
+"""`ZERO1_TP` inside pipeline stages: the optimizer state also split over `fsdp`."""
 
 REPLICA = "replica"
 """The mesh axis across groups of devices (hosts) in hybrid sharding."""
