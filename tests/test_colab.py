@@ -117,7 +117,7 @@ TRY_IT = {  # chapter: (problem, cell's text, its edit, the answer right after i
         5,
         'seven_8 = nx.plan(seven, 8, "H100", global_batch=64, seq=4096)',
         'seven_8 = nx.plan(seven, 8, "H100", global_batch=64, seq=4096, memory_per_device=40e9)',
-        "16",
+        "2",
     ),
     "A1_your_own_model": (
         5,
