@@ -13,7 +13,6 @@ Nothing runs on a device: the model is arithmetic.
 
 from __future__ import annotations
 
-import statistics
 import sys
 
 from nnxscale.core.show import table
@@ -36,15 +35,13 @@ def main(refit: bool = False) -> None:
     ]  # fmt: skip
     headers = ["model", "nodes", "runs", "rank", "regret", "within 1.5x", "memory 1.3x", "split"]
     print(table([*headers, "first pick"], rows))
-    for split in ("fit", "test"):
-        members = [g for g in groups if (g.nodes in grid.FIT_NODES) == (split == "fit")]
-        runs = sum(g.runs for g in members)
-        within = sum(g.within * g.runs for g in members) / runs
-        memory = sum(g.memory * g.runs for g in members) / runs
+    for name, fitted in (("fit", True), ("test", False)):
+        found_split = grid.split(groups, fitted)
         print(
-            f"{split}: median rank {statistics.median(g.rank for g in members):.2f} (target "
-            f">= 0.7), worst regret {max(g.regret for g in members):.2f} (<= 1.3), within "
-            f"1.5x {within:.0%} (>= 60%), memory within 1.3x {memory:.0%} (>= 80%)"
+            f"{name}: median rank {found_split['median rank']:.2f} (target >= 0.7), worst "
+            f"regret {found_split['worst regret']:.2f} (<= 1.3), within 1.5x "
+            f"{found_split['within 1.5x']:.0%} (>= 60%), memory within 1.3x "
+            f"{found_split['memory within 1.3x']:.0%} (>= 80%)"
         )
     if refit:
         hw, miss = grid.fit()

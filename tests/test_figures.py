@@ -513,7 +513,7 @@ def test_the_grid_is_drawn_one_panel_a_model_with_every_priced_run() -> None:
     assert drawn == len(priced)
     matplotlib.pyplot.close(fig)
     groups = grid.rank(priced)
-    fig = plot_picks(groups, priced)
+    fig = plot_picks(groups)
     picked = [y for ax in fig.axes for y in ax.lines[1].get_ydata()]
     assert sorted(picked) == sorted(g.pick.tokens for g in groups)
     matplotlib.pyplot.close(fig)

@@ -217,8 +217,8 @@ LEDGERS = {
     "program": "this library's program: what JAX's autodiff keeps for the book's Transformer, "
     "gradients split as XLA splits them",
     "fused": "fused kernels: flash attention, fused norms and SwiGLU intermediates in the "
-    "compute dtype, as Megatron-LM, torchtitan and MaxText keep them; states sharded as "
-    "flat padded buffers, gradients reduced by hand",
+    "compute dtype, as Megatron-LM, torchtitan and MaxText keep them; one gradient buffer, "
+    "updated in place; a pipeline of one program per stage",
 }
 """The memory ledgers by name, each in words (`nnxscale.costs.ledgers`)."""
 
@@ -237,11 +237,14 @@ the book's own."""
 
 def check_ledger(name: str) -> str:
     """`name` if it names a ledger; an error naming the choices otherwise."""
-    if name not in LEDGERS:
-        raise ValueError(
-            f"ledger={name!r}: use one of {', '.join(map(repr, LEDGERS))} "
-            f"({'; '.join(f'{k}: {v}' for k, v in LEDGERS.items())})"
-        )
+    return _one_of("ledger", name, LEDGERS)
+
+
+def _one_of(field: str, name: str, choices: Mapping[str, str]) -> str:
+    """`name` if it is one of `choices`; an error naming `field` and each choice in words."""
+    if name not in choices:
+        words = "; ".join(f"{k}: {v}" for k, v in choices.items())
+        raise ValueError(f"{field}={name!r}: use one of {', '.join(map(repr, choices))} ({words})")
     return name
 
 
@@ -349,7 +352,7 @@ class Setup:
             bool(reduce_once),
             check_ledger(ledger),
             _overlaps(overlaps),
-            _loss(loss),
+            _one_of("loss", loss, LOSSES),
             bool(regather),
             bool(flat),
         )
@@ -389,13 +392,6 @@ class Setup:
         virtual = f", {self.virtual} virtual stages" if interleaved else ""
         mpmd = " (needs a runtime of one program per stage)" if self.schedule[:2] == "ZB" else ""
         return f", {self.schedule}{virtual}{mpmd}"
-
-
-def _loss(name: str) -> str:
-    """`name` if it names a loss (`LOSSES`); an error naming the choices otherwise."""
-    if name not in LOSSES:
-        raise ValueError(f"loss={name!r}: use one of {', '.join(map(repr, LOSSES))}")
-    return name
 
 
 def _overlaps(names: tuple[str, ...]) -> tuple[str, ...]:

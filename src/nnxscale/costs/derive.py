@@ -189,12 +189,14 @@ def _reduced_once(costs: Costs, arrays: list[PlacedArray], ledger: str = "progra
     whole = _stage_whole(arrays, set(rules.token_axes(rules.axes)))
     once = Formula.of(1)
     program = ledger == "program"
+    # a fused trainer's FSDP still gathers its weights for each micro-batch
+    once_a_step = {"gather", "reduce"} if program else {"reduce"}
     moved = [
         dataclasses.replace(t, launches=once, overlap="blocking" if program else t.overlap)
         for t in weight_transfers(arrays, rules, once, once, STATE_BYTES)
-        if t.overlap in ("gather", "reduce") and (program or t.overlap == "reduce")
+        if t.overlap in once_a_step
     ]
-    kept = [t for t in costs.transfers if t.overlap not in ("reduce",) + ("gather",) * program]
+    kept = [t for t in costs.transfers if t.overlap not in once_a_step]
     weights = costs.weights + whole - costs.state["parameters"] if program else costs.weights
     return dataclasses.replace(
         costs, weights=weights, accumulator=whole, transfers=tuple(moved + kept)

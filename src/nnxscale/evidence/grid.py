@@ -25,12 +25,14 @@ import dataclasses
 import functools
 import json
 import math
+import statistics
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Sequence
 from importlib import resources
 
 from nnxscale.costs.counts import Precision, Setup, counts
-from nnxscale.costs.hardware import Hardware, hardware
+from nnxscale.costs.hardware import Hardware, hardware, shared
+from nnxscale.costs.planner import HEADROOM
 from nnxscale.costs.steps import step_cost
 from nnxscale.costs.suitable import unsuitable
 from nnxscale.model.transformer import Config
@@ -202,20 +204,24 @@ def anomalies(found: Iterable[GridRun]) -> dict[GridRun, str]:
     the grid's (the layout recorded is not the one that ran), or its twin (the same model,
     nodes, layout and batch; the other ZeRO stage, which changes only the optimizer's
     memory and one gather a step, or a repeat) ran more than `TWIN` times as fast."""
-    measured = [r for r in found if r.ok]
-    twins: dict[tuple, list[GridRun]] = defaultdict(list)
-    for r in measured:
-        twins[(r.model, r.nodes, r.dp, r.tp, r.pp, r.mbs, r.gradacc)].append(r)
     why = {}
-    for r in measured:
-        best = max(
-            twins[(r.model, r.nodes, r.dp, r.tp, r.pp, r.mbs, r.gradacc)], key=lambda t: t.tokens
-        )
-        if r.sequences != r.gbs:
-            why[r] = f"ran {r.sequences} sequences a step, not the grid's {r.gbs}"
-        elif best.tokens > TWIN * r.tokens:
-            why[r] = f"its twin ({best.label}) ran {best.tokens / r.tokens:.1f} x as fast"
+    for group in twins(found):
+        best = max(group, key=lambda t: t.tokens)
+        for r in group:
+            if r.sequences != r.gbs:
+                why[r] = f"ran {r.sequences} sequences a step, not the grid's {r.gbs}"
+            elif best.tokens > TWIN * r.tokens:
+                why[r] = f"its twin ({best.label}) ran {best.tokens / r.tokens:.1f} x as fast"
     return why
+
+
+def twins(found: Iterable[GridRun]) -> list[list[GridRun]]:
+    """The measured runs in groups of twins: the same model, nodes, layout and batch, which
+    differ only in their ZeRO stage, or are repeats."""
+    groups: dict[tuple, list[GridRun]] = defaultdict(list)
+    for r in (r for r in found if r.ok):
+        groups[(r.model, r.nodes, r.dp, r.tp, r.pp, r.mbs, r.gradacc)].append(r)
+    return list(groups.values())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -279,8 +285,10 @@ class Group:
     """Spearman's rank correlation of predicted with measured tokens per second."""
     regret: float
     """The measured best over what the first pick measured: the run predicted fastest
-    among those predicted to fit (`fits`)."""
+    among those the planner would accept (`rank`)."""
     pick: GridRun
+    best: float
+    """The best tokens per second per GPU measured."""
     within: float
     """The share of runs predicted within `WITHIN`."""
     memory: float
@@ -290,8 +298,6 @@ class Group:
 MEMORY = 1.3
 """The factor within which a predicted peak memory counts as close."""
 
-HEADROOM = 1.1
-"""A run is predicted to fit when its predicted peak times this fits the device's memory."""
 
 MIN_RUNS = 8
 """Groups with fewer runs are not ranked."""
@@ -321,11 +327,17 @@ def spearman(a: Sequence[float], b: Sequence[float]) -> float:
 
 
 def rank(
-    found: Iterable[Priced], memory: float = 80e9, select: Callable[[GridRun], bool] | None = None
+    found: Iterable[Priced],
+    memory: float | None = None,
+    select: Callable[[GridRun], bool] | None = None,
 ) -> list[Group]:
     """Per model and node count with at least `MIN_RUNS` runs (of those `select` keeps):
     how the predictions rank and match the measured runs (`Group`), the first pick among
-    the runs whose predicted peak fits `memory` with the `HEADROOM`."""
+    the runs the planner would accept (a predicted peak that fits `memory` with the
+    planner's `HEADROOM`; `memory` defaults to the H100's share for the fused ledger)."""
+    if memory is None:
+        h100 = hardware("H100")
+        memory = h100.memory * shared(h100, "fused")
     groups: dict[tuple[str, int], list[Priced]] = defaultdict(list)
     for p in found:
         if select is None or select(p.run):
@@ -348,11 +360,31 @@ def rank(
                 spearman([p.tokens for p in members], measured),
                 max(measured) / pick.tokens,
                 pick,
+                max(measured),
                 close,
                 held,
             )
         )
     return out
+
+
+SPLIT = ("median rank", "worst regret", "within 1.5x", "memory within 1.3x")
+"""What `split` reports of a split's groups."""
+
+
+def split(groups: Sequence[Group], fitted: bool) -> dict[str, float]:
+    """Over the groups of the fit split (`fitted`) or of the test split: the median rank
+    correlation, the worst regret, and the shares of runs within `WITHIN` and of memory
+    within `MEMORY` (`SPLIT`)."""
+    members = [g for g in groups if (g.nodes in FIT_NODES) == fitted]
+    runs = sum(g.runs for g in members)
+    values = (
+        statistics.median(g.rank for g in members),
+        max(g.regret for g in members),
+        sum(g.within * g.runs for g in members) / runs,
+        sum(g.memory * g.runs for g in members) / runs,
+    )
+    return dict(zip(SPLIT, values, strict=True))
 
 
 FITTED = ("launch", "sync", "far_hop")
@@ -361,9 +393,7 @@ FITTED = ("launch", "sync", "far_hop")
 
 def miss(hw: Hardware, found: Sequence[GridRun]) -> float:
     """The median factor (as its natural log) by which `hw`'s predictions miss `found`."""
-    misses = sorted(abs(math.log(price(r, hw).ratio)) for r in found)
-    middle = len(misses) // 2
-    return misses[middle] if len(misses) % 2 else (misses[middle - 1] + misses[middle]) / 2
+    return statistics.median(abs(math.log(price(r, hw).ratio)) for r in found)
 
 
 LATTICE = {

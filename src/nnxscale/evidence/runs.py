@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import statistics
 from collections import defaultdict
 from collections.abc import Sequence
 
@@ -301,15 +302,7 @@ def summary(found: Sequence[Run], by: str = "hardware") -> list[Tally]:
     out = []
     for name, members in groups.items():
         held = tests(members)
-        ratios = sorted(r.ratio for r in held)  # type: ignore[type-var]
-        middle = len(ratios) // 2
-        median = (
-            math.nan
-            if not ratios
-            else ratios[middle]
-            if len(ratios) % 2
-            else (ratios[middle - 1] + ratios[middle]) / 2
-        )
+        median = statistics.median(r.ratio for r in held) if held else math.nan
         out.append(
             Tally(
                 name,

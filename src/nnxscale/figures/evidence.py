@@ -55,18 +55,14 @@ def plot_grid(priced: Sequence[Priced]) -> Figure:
     return fig
 
 
-def plot_picks(groups: Sequence[Group], priced: Sequence[Priced]) -> Figure:
+def plot_picks(groups: Sequence[Group]) -> Figure:
     """Per model, against node count: the best throughput measured, and what the model's
     first pick measured (`nnxscale.evidence.grid.rank`); the test split shaded."""
     fig, axes = plt.subplots(1, len(MODELS), figsize=(10, 3.2))
     for ax, model in zip(axes, MODELS, strict=True):
         mine = sorted((g for g in groups if g.model == model), key=lambda g: g.nodes)
         nodes = [g.nodes for g in mine]
-        best = [
-            max(p.run.tokens for p in priced if (p.run.model, p.run.nodes) == (model, n))
-            for n in nodes
-        ]
-        ax.plot(nodes, best, "o-", color="black", label="measured best")
+        ax.plot(nodes, [g.best for g in mine], "o-", color="black", label="measured best")
         ax.plot(
             nodes,
             [g.pick.tokens for g in mine],
