@@ -17,9 +17,8 @@ import argparse
 import jax
 import jax.numpy as jnp
 
-from nnxscale import growth
+from nnxscale import TINY, growth
 from nnxscale.core.show import table
-from nnxscale.model import TINY
 from nnxscale.model.context import flash_attention
 from nnxscale.runtime.devices import FAST_COMPILE
 

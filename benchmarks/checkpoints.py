@@ -26,13 +26,11 @@ from pathlib import Path
 import jax
 from jax.sharding import Mesh
 
-from nnxscale import cli
-from nnxscale.checkpoint import Checkpoints
+from nnxscale import TINY, Checkpoints, Config, Trainer, Transformer, adamw, cli, create
 from nnxscale.checkpoint.integrity import checksums
-from nnxscale.model import BENCH, TINY, Config, Transformer, create
+from nnxscale.model import BENCH
 from nnxscale.placement.rules import FSDP, TP, Rules, strategy_mesh
 from nnxscale.runtime.devices import emulate_devices
-from nnxscale.train import Trainer, adamw
 from nnxscale.train.data import book_batches
 
 

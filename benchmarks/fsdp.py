@@ -19,13 +19,11 @@ import statistics
 
 import jax
 
-from nnxscale import fsdp
+from nnxscale import Trainer, adamw, create, fsdp
 from nnxscale.analysis.hlo import collectives
 from nnxscale.core.memory import CompiledMemory
-from nnxscale.model import create
 from nnxscale.placement.rules import DP, FSDP, strategy_mesh
 from nnxscale.runtime.devices import emulate_devices
-from nnxscale.train import Trainer, adamw
 from nnxscale.train.data import Batches, arithmetic_text, encode
 
 from strategies import BATCH, LENGTH

@@ -19,9 +19,8 @@ import time
 
 import jax
 
-from nnxscale import pipeline
+from nnxscale import TINY, create, pipeline
 from nnxscale.core.memory import CompiledMemory
-from nnxscale.model import TINY, create
 from nnxscale.parallelism.schedules import (
     bubble_formula,
     gpipe,

@@ -41,7 +41,7 @@ def main() -> None:
 
     import nnxscale as nx
     from nnxscale import costs, machine, profiles
-    from nnxscale.train import OPTIMIZED
+    from nnxscale.runtime.devices import OPTIMIZED
 
     device = profiles.fastest_device()
     cpu = device.platform == "cpu"

@@ -16,8 +16,7 @@ import statistics
 import sys
 import time
 
-from nnxscale import launch
-from nnxscale.model import Config, create
+from nnxscale import Config, create, launch
 
 MODEL = Config(vocab=1024, embed=256, heads=8, head_dim=32, mlp=1024, layers=4, max_len=128)
 BATCH, LENGTH = 16, 128
@@ -31,10 +30,10 @@ def worker(steps: int) -> None:
     import jax
     import optax
 
+    from nnxscale import Trainer
     from nnxscale.analysis.hlo import collectives
     from nnxscale.core.memory import CompiledMemory
     from nnxscale.placement.rules import RULE_SETS, strategy_mesh
-    from nnxscale.train import Trainer
     from nnxscale.train.data import Batches, arithmetic_text, encode
 
     n = jax.device_count()

@@ -38,13 +38,11 @@ def main() -> None:
     emulate_devices(optimize=True)  # timed: XLA's own compiler options
     import optax
 
-    from nnxscale import costs, machine
-    from nnxscale.costs import runs
-    from nnxscale.model import Config, create
+    from nnxscale import Config, Trainer, costs, create, machine
+    from nnxscale.evidence import gpu
     from nnxscale.placement.mesh import make_mesh
     from nnxscale.placement.rules import DP
     from nnxscale.profiling.profiles import fastest_device
-    from nnxscale.train import Trainer
     from nnxscale.train.data import Batches, arithmetic_text, encode
 
     device = fastest_device()
@@ -64,8 +62,8 @@ def main() -> None:
         name: (Config(**{"max_len": LENGTH, **sizes}, dropout=0.0, compute_dtype=dtype), BATCH)
         for name, sizes in CPU_SIZES.items()
     }
-    if not cpu:  # products, not launches, must take the time: runs.MEASURED's models
-        models = {name: (cfg, batch) for name, (cfg, batch, _) in runs.MEASURED.items()}
+    if not cpu:  # products, not launches, must take the time: gpu.MEASURED's models
+        models = {name: (cfg, batch) for name, (cfg, batch, _) in gpu.MEASURED.items()}
     for name, (cfg, batch) in models.items():
         length = cfg.max_len
         setup = costs.Setup.of(DP, {"data": 1})

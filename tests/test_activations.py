@@ -8,10 +8,9 @@ import pytest
 from flax import nnx
 from jax.sharding import AbstractMesh, AxisType
 
-from nnxscale import activations, moe
+from nnxscale import Config, activations, create, moe
 from nnxscale.core.memory import residual_arrays
 from nnxscale.costs.formula import Formula
-from nnxscale.model import Config, create
 from nnxscale.model.losses import next_token_loss
 from nnxscale.placement.layout import activation_rules
 from nnxscale.placement.rules import CP

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from nnxscale.model import TINY, create
+from nnxscale import TINY, create
 from nnxscale.placement.rules import DP, strategy_mesh
 from nnxscale.train.agree import agreement, order_ulps
 from nnxscale.train.data import book_batches

@@ -74,7 +74,7 @@ hits = []
 jax.monitoring.register_event_listener(
     lambda event, **_: hits.append(event) if event.endswith("cache_hits") else None
 )
-options = nx.TrainOptions(dropout=False, compiler_options=nx.train.FAST_COMPILE)
+options = nx.TrainOptions(dropout=False, compiler_options=nx.devices.FAST_COMPILE)
 trainer = nx.trainer_for(nx.FSDP, model=nx.TINY, options=options)
 batches = nx.book_batches(batch_size=2 * jax.device_count())
 program = trainer.compile(trainer.batch(batches))

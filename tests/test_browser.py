@@ -452,7 +452,7 @@ def calculator_grid() -> list[dict]:
     every, two = list(costs.HARDWARE), ["H100", "TPU v5p"]
     clusters = [
         (
-            {k: getattr(costs.SEVEN_B, k) for k in SIZES} | dense,
+            {k: getattr(configs.LLAMA3_8B, k) for k in SIZES} | dense,
             8,
             64,
             4096,
@@ -460,7 +460,7 @@ def calculator_grid() -> list[dict]:
             every,
         ),
         (
-            {k: getattr(costs.SEVENTY_B, k) for k in SIZES} | dense,
+            {k: getattr(configs.LLAMA3_70B, k) for k in SIZES} | dense,
             256,
             1024,
             4096,
@@ -506,8 +506,7 @@ def library_answer(inputs: dict) -> tuple[str, object]:
     """What the library says of one input of the grid: ("mesh", message) where the degrees do
     not divide the devices, ("reason", why) where the setup cannot run (virtual stages it
     cannot have among them), else ("cost", (the model's `Config`, its `StepCost`))."""
-    from nnxscale import calculator, costs
-    from nnxscale.model import Config
+    from nnxscale import Config, calculator, costs
     from nnxscale.placement.rules import STRATEGIES
 
     mixture = {k: inputs[k] for k in ("experts", "top_k", "capacity_factor")}

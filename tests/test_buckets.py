@@ -30,17 +30,11 @@ from collections.abc import Callable, Iterator
 import fsspec
 import pytest
 
-from nnxscale import cli, launch
-from nnxscale.checkpoint import (
-    Checkpoints,
-    CorruptCheckpointError,
-    SkippedCheckpointWarning,
-)
+from nnxscale import TINY, Checkpoints, Trainer, Transformer, adamw, cli, create, launch
+from nnxscale.checkpoint import CorruptCheckpointError, SkippedCheckpointWarning
 from nnxscale.checkpoint.buckets import ObjectStorageError, location, this_machine
 from nnxscale.checkpoint.integrity import LOCK_FILE, DirectoryLockedError, checksums
-from nnxscale.model import TINY, Transformer, create
 from nnxscale.placement.rules import DP, FSDP, TP, strategy_mesh
-from nnxscale.train import Trainer, adamw
 from nnxscale.train.data import book_batches
 
 from conftest import run_python

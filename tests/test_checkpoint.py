@@ -15,11 +15,22 @@ import optax
 import pytest
 from flax import nnx
 
-from nnxscale import cli, events, pipeline
+from nnxscale import (
+    TINY,
+    Checkpoints,
+    Config,
+    Trainer,
+    TrainOptions,
+    Transformer,
+    adamw,
+    cli,
+    create,
+    events,
+    pipeline,
+)
 from nnxscale.checkpoint import (
     PARTIAL,
     CheckpointMismatchError,
-    Checkpoints,
     CorruptCheckpointError,
     NoCheckpointError,
     check_matches,
@@ -29,14 +40,14 @@ from nnxscale.checkpoint import (
     sealed,
 )
 from nnxscale.checkpoint.integrity import checksums, seal
-from nnxscale.model import TINY, Config, Transformer, create
 from nnxscale.model.losses import next_token_loss
 from nnxscale.parallelism.schedules import interleaved
 from nnxscale.placement.init import abstract
 from nnxscale.placement.layout import Layout, resolve
 from nnxscale.placement.mesh import make_mesh
 from nnxscale.placement.rules import DP, FSDP, TP, strategy_mesh
-from nnxscale.train import FAST_COMPILE, Trainer, TrainOptions, TrainState, adamw
+from nnxscale.runtime.devices import FAST_COMPILE
+from nnxscale.train import TrainState
 from nnxscale.train.data import Batches, book_batches
 
 BATCHES = book_batches(batch_size=16)

@@ -260,7 +260,7 @@ def test_bad_input_is_named_with_its_fix() -> None:
 def cp_trainer(rules, devices=None, cfg=None):
     cfg = cfg or nx.TINY.replace(dropout=0.0)
     mesh = nx.strategy_mesh(rules, devices)
-    fast = nx.train.FAST_COMPILE
+    fast = nx.devices.FAST_COMPILE
     return nx.Trainer.create(
         nx.create(cfg), nx.adamw(), rules, mesh, dropout=False, compiler_options=fast
     )

@@ -12,18 +12,29 @@ import pytest
 from flax import nnx
 from jax.sharding import AbstractMesh, AxisType
 
-from nnxscale import activations, costs, pipeline, schedules
+from nnxscale import (
+    TINY,
+    Config,
+    Trainer,
+    activations,
+    costs,
+    create,
+    pipeline,
+    schedules,
+    trainer_for,
+)
 from nnxscale.analysis.comm import ring_bytes
 from nnxscale.analysis.hlo import collectives, dot_flops
 from nnxscale.core.memory import CompiledMemory
 from nnxscale.costs.planner import TOLERANCE
 from nnxscale.costs.steps import sizes_of
-from nnxscale.model import TINY, Config, count_params, create
-from nnxscale.model.configs import MIXTRAL_8X7B
+from nnxscale.model import count_params
+from nnxscale.model.configs import LLAMA3_8B, LLAMA3_70B, MIXTRAL_8X7B
 from nnxscale.placement.init import abstract
 from nnxscale.placement.layout import resolve
 from nnxscale.placement.rules import STRATEGIES, strategy_mesh
-from nnxscale.train import FAST_COMPILE, OPTIMIZED, Trainer, compile_all, trainer_for
+from nnxscale.runtime.devices import FAST_COMPILE, OPTIMIZED
+from nnxscale.train import compile_all
 from nnxscale.train.data import Batches, arithmetic_text, encode
 
 CORPUS = encode(arithmetic_text(4000))
@@ -107,8 +118,8 @@ def test_a_dropless_mixtures_flops_equal_the_compiled_dots() -> None:
 
 
 def test_the_worked_models_have_their_sizes() -> None:
-    assert costs.counts(costs.SEVEN_B).total == 8_030_261_248  # Llama 3 8B
-    assert costs.counts(costs.SEVENTY_B).total == 70_553_706_496  # Llama 3 70B
+    assert costs.counts(LLAMA3_8B).total == 8_030_261_248  # Llama 3 8B
+    assert costs.counts(LLAMA3_70B).total == 70_553_706_496  # Llama 3 70B
 
 
 @pytest.mark.parametrize(
@@ -154,7 +165,7 @@ def test_the_formulas_equal_the_layout_on_an_abstract_mesh(name: str, inner, dev
         for a, size in zip(rules.axes, rules.sizes, strict=True)
     }
     mesh = AbstractMesh(tuple(shape.values()), rules.axes, axis_types=(AxisType.Auto,) * len(shape))
-    cfg = costs.SEVENTY_B.replace(layers=64, vocab=32768)  # sizes the axes divide
+    cfg = LLAMA3_70B.replace(layers=64, vocab=32768)  # sizes the axes divide
     params = nnx.state(abstract(lambda: create(cfg)), nnx.Param)
     held = {
         role: resolve(params, rules, mesh, role=role, warn_bytes=math.inf).bytes_per_device()
@@ -418,7 +429,7 @@ def test_overlap_follows_the_steps_dependencies() -> None:
     at a large batch and are exposed at a small one, unless the step waits on its host's
     launches (a GPU's `launch`): then they hide behind those."""
     tp = costs.step_cost(
-        costs.SEVEN_B,
+        LLAMA3_8B,
         costs.Setup.of(STRATEGIES["TP"], {"data": 4, "model": 2}, 1, "full"),
         H100,
         64,
@@ -429,11 +440,11 @@ def test_overlap_follows_the_steps_dependencies() -> None:
             assert c.exposed == c.seconds > 0
     assert tp.step_time == pytest.approx(tp.compute_time + tp.exposed)
     fsdp = costs.Setup.of(STRATEGIES["FSDP"], {"data": 8}, 1, "full")
-    large = costs.step_cost(costs.SEVEN_B, fsdp, H100, 64, 4096)
+    large = costs.step_cost(LLAMA3_8B, fsdp, H100, 64, 4096)
     assert large.exposed < 0.01 * large.step_time < large.comm_time
-    small = costs.step_cost(costs.SEVEN_B, fsdp, H100.replace(launch=0.0), 8, 256)
+    small = costs.step_cost(LLAMA3_8B, fsdp, H100.replace(launch=0.0), 8, 256)
     assert small.exposed > 0.5 * small.step_time and small.bound == "communication"
-    launched = costs.step_cost(costs.SEVEN_B, fsdp, H100, 8, 256)
+    launched = costs.step_cost(LLAMA3_8B, fsdp, H100, 8, 256)
     # 32 layers, each launched forward, backward and (full remat) forward again
     assert launched.compute_time == pytest.approx(32 * 1.5 * H100.launch)
     assert launched.exposed < 0.3 * launched.step_time
@@ -465,12 +476,12 @@ def test_each_axis_of_a_torus_has_its_own_links() -> None:
     # v5e's two dimensions, they add up
     setup = costs.Setup.of(STRATEGIES["HSDP+TP"], {"replica": 4, "data": 8, "model": 4}, 1, "full")
     v5p = costs.HARDWARE["TPU v5p"]
-    torus = costs.step_cost(costs.SEVEN_B, setup, v5p, 16, 4096)
-    switch = costs.step_cost(costs.SEVEN_B, setup, v5p.replace(ring=False), 16, 4096)
+    torus = costs.step_cost(LLAMA3_8B, setup, v5p, 16, 4096)
+    switch = costs.step_cost(LLAMA3_8B, setup, v5p.replace(ring=False), 16, 4096)
     assert {c.lane for c in torus.collectives} == {"fast: data", "fast: model", "fast: replica"}
     assert {c.lane for c in switch.collectives} == {"fast"}
     assert torus.comm_time == switch.comm_time and torus.exposed < switch.exposed
-    flat = costs.step_cost(costs.SEVEN_B, setup, v5p.replace(dimensions=2), 16, 4096)
+    flat = costs.step_cost(LLAMA3_8B, setup, v5p.replace(dimensions=2), 16, 4096)
     assert {c.lane for c in flat.collectives} == {"fast"} and flat.exposed == switch.exposed
 
 
@@ -483,15 +494,15 @@ def test_collectives_on_one_link_add_up_before_they_hide() -> None:
     fsdp = costs.Setup.of(STRATEGIES["FSDP"], {"data": 64}, 1, "full")
     # the issue's H100s, at 40% MFU, sharing one adapter per host
     h100 = dataclasses.replace(H100, efficiency=0.40, slow=H100.slow / 8)
-    step = costs.step_cost(costs.SEVEN_B, fsdp, h100, 96, 4096)
+    step = costs.step_cost(LLAMA3_8B, fsdp, h100, 96, 4096)
     assert {c.link for c in step.collectives} == {"slow"}
     assert all(c.seconds < step.compute_time for c in step.collectives) and (
         step.comm_time > step.compute_time
     )
     assert step.exposed >= step.comm_time - step.compute_time
     assert step.bound == "communication"
-    assert costs.crossover(costs.SEVEN_B, fsdp, h100, 4096) > 96 * 4096 / 64
-    rails = costs.step_cost(costs.SEVEN_B, fsdp, h100.replace(slow=H100.slow), 96, 4096)
+    assert costs.crossover(LLAMA3_8B, fsdp, h100, 4096) > 96 * 4096 / 64
+    rails = costs.step_cost(LLAMA3_8B, fsdp, h100.replace(slow=H100.slow), 96, 4096)
     assert step.comm_time / 8 < rails.comm_time < step.comm_time / 7  # plus the hops
     assert rails.bound == "compute"
 
@@ -514,7 +525,7 @@ def test_hide_sums_a_links_collectives_against_each_window() -> None:
 def test_zeros_gather_of_updated_parameters_is_exposed_whole() -> None:
     """One compiled step cannot prefetch into the next: the gather after the update waits."""
     zero = costs.Setup.of(STRATEGIES["ZeRO-1"], {"data": 8}, 1, "full")
-    step = costs.step_cost(costs.SEVEN_B, zero, H100, 64, 4096)
+    step = costs.step_cost(LLAMA3_8B, zero, H100, 64, 4096)
     (update,) = [c for c in step.collectives if c.transfer.overlap == "update"]
     assert update.exposed == update.seconds > 0
 
@@ -533,7 +544,7 @@ def test_each_device_computes_at_its_stated_efficiency() -> None:
 
 def test_a_pipeline_runs_lockstep_ticks() -> None:
     setup = costs.Setup.of(STRATEGIES["PP"], {"stage": 8}, 32)
-    cost = costs.step_cost(costs.SEVEN_B, setup, H100, 64, 4096)
+    cost = costs.step_cost(LLAMA3_8B, setup, H100, 64, 4096)
     assert cost.bubble == pytest.approx(1 - 32 / (1.5 * (32 + 7)))
 
 
@@ -547,7 +558,7 @@ def test_zero_bubble_schedules_are_priced_by_their_own_bubble_and_1f1b_s_memory(
     rules = STRATEGIES["PP+FSDP+TP"]
     priced = {
         s: costs.step_cost(
-            costs.SEVENTY_B, costs.Setup.of(rules, mesh, m, remat, schedule=s), H100, 256, 4096
+            LLAMA3_70B, costs.Setup.of(rules, mesh, m, remat, schedule=s), H100, 256, 4096
         )
         for s in ("1F1B", "ZB-H1", "ZB-V")
     }
@@ -563,9 +574,9 @@ def test_zero_bubble_schedules_are_priced_by_their_own_bubble_and_1f1b_s_memory(
     assert hand["ZB-V"][0].seconds == pytest.approx(2 * hand["ZB-H1"][0].seconds)
     few = costs.Setup.of(rules, mesh, 14, remat, schedule="ZB-V")
     assert few.virtual == 2
-    assert "2p - 1 = 15 micro-batches, not 14" in costs.unsuitable(costs.SEVENTY_B, few, 224, 4096)
+    assert "2p - 1 = 15 micro-batches, not 14" in costs.unsuitable(LLAMA3_70B, few, 224, 4096)
     full = costs.Setup.of(rules, mesh, m, "full", schedule="ZB-H1")
-    assert "full remat rebuilds them" in costs.unsuitable(costs.SEVENTY_B, full, 256, 4096)
+    assert "full remat rebuilds them" in costs.unsuitable(LLAMA3_70B, full, 256, 4096)
     with pytest.raises(ValueError, match="ZB-V always runs two"):
         costs.Setup.of(rules, mesh, m, remat, schedule="ZB-H1", virtual=2)
 
@@ -599,10 +610,10 @@ def test_the_rings_threshold_follows_the_link_it_crosses() -> None:
 
 def test_the_fsdp_crossover_is_where_transfers_stop_hiding() -> None:
     setup = costs.Setup.of(STRATEGIES["FSDP"], {"data": 8}, 1, "full")
-    tokens = costs.crossover(costs.SEVEN_B, setup, H100, 1024)
+    tokens = costs.crossover(LLAMA3_8B, setup, H100, 1024)
     for scale, exposed in ((0.5, True), (2.0, False)):
         seq = int(scale * tokens)
-        cost = costs.step_cost(costs.SEVEN_B, setup, H100, 8, seq)
+        cost = costs.step_cost(LLAMA3_8B, setup, H100, 8, seq)
         weights = sum(c.seconds for c in cost.collectives)
         assert (weights > cost.compute_time) == exposed, (seq, weights, cost.compute_time)
 
@@ -869,11 +880,11 @@ def test_a_mixture_in_pipeline_stages_is_priced_as_its_layers_outside_them(sched
 
 def test_the_ledger_holds_the_four_parts_of_the_state_and_the_step() -> None:
     setup = costs.Setup.of(STRATEGIES["FSDP"], {"data": 8}, 1, "full")
-    parts = costs.ledger(costs.SEVEN_B, setup, 8, 4096)
-    step = costs.step_cost(costs.SEVEN_B, setup, H100, 8, 4096)
+    parts = costs.ledger(LLAMA3_8B, setup, 8, 4096)
+    step = costs.step_cost(LLAMA3_8B, setup, H100, 8, 4096)
     assert tuple(parts) == costs.LEDGER_PARTS
     assert parts["parameters"] + parts["optimizer state"] == step.state
-    assert parts["gradients"] == costs.STATE_BYTES * costs.counts(costs.SEVEN_B).total / 8
+    assert parts["gradients"] == costs.STATE_BYTES * costs.counts(LLAMA3_8B).total / 8
     assert parts["optimizer state"] == costs.OPTIMIZER_COPIES * parts["gradients"]
     # what the backward pass keeps and remat rebuilds: part of the working memory, not all
     assert 0 < parts["activations"] < step.memory["working memory"]
@@ -884,11 +895,11 @@ def test_the_full_remat_ledger_term_by_term_keeps_korthikantis_2sbhl() -> None:
     (Korthikanti et al. 2022, section 5); the terms add up to the ledger's activations."""
     setup = costs.Setup.of(STRATEGIES["DP"], {"data": 1}, 1, "full")
     for sequences, seq in ((1, 4096), (2, 1024)):
-        terms = costs.ledger_terms(costs.SEVEN_B, setup, sequences, seq)
-        sbhl = 2 * seq * sequences * costs.SEVEN_B.embed * costs.SEVEN_B.layers
+        terms = costs.ledger_terms(LLAMA3_8B, setup, sequences, seq)
+        sbhl = 2 * seq * sequences * LLAMA3_8B.embed * LLAMA3_8B.layers
         assert terms["the layers' kept values"] == sbhl
-        assert terms["logits"] == 4 * sequences * seq * costs.SEVEN_B.vocab
-        whole = costs.ledger(costs.SEVEN_B, setup, sequences, seq)["activations"]
+        assert terms["logits"] == 4 * sequences * seq * LLAMA3_8B.vocab
+        whole = costs.ledger(LLAMA3_8B, setup, sequences, seq)["activations"]
         assert sum(terms.values()) == pytest.approx(whole, rel=1e-12)
 
 
@@ -896,15 +907,15 @@ def test_the_full_remat_ledger_term_by_term_keeps_korthikantis_2sbhl() -> None:
 def test_the_state_holds_the_bytes_per_parameter_the_reader_chose(name: str) -> None:
     precision = costs.PRECISIONS[name]
     setup = costs.Setup.of(STRATEGIES["FSDP"], {"data": 8}, 1, "full", precision)
-    ledger = costs.ledger(costs.SEVEN_B, setup, 8, 4096)
-    per_parameter = {k: 8 * v / costs.counts(costs.SEVEN_B).total for k, v in ledger.items()}
+    ledger = costs.ledger(LLAMA3_8B, setup, 8, 4096)
+    per_parameter = {k: 8 * v / costs.counts(LLAMA3_8B).total for k, v in ledger.items()}
     assert per_parameter["parameters"] == pytest.approx(precision.parameters)
     assert per_parameter["optimizer state"] == pytest.approx(precision.optimizer)
     assert per_parameter["gradients"] == pytest.approx(precision.gradients)
     book = costs.step_cost(
-        costs.SEVEN_B, setup.__class__.of(setup.rules, setup.sizes, 1, "full"), H100, 8, 4096
+        LLAMA3_8B, setup.__class__.of(setup.rules, setup.sizes, 1, "full"), H100, 8, 4096
     )
-    assert costs.step_cost(costs.SEVEN_B, setup, H100, 8, 4096).state <= book.state
+    assert costs.step_cost(LLAMA3_8B, setup, H100, 8, 4096).state <= book.state
 
 
 def test_a_precision_of_nonsense_bytes_is_refused() -> None:

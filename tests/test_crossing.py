@@ -8,8 +8,8 @@ import dataclasses
 
 import pytest
 
+from nnxscale import TINY
 from nnxscale.costs import crossing
-from nnxscale.model import TINY
 
 
 @pytest.mark.parametrize("rules", crossing.SHOWN)

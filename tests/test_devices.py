@@ -137,7 +137,7 @@ def test_bad_argument_is_named_as_an_argument() -> None:
 COMPILED_AS = """
 import os, jax, jax.numpy as jnp, numpy as np
 from nnxscale.runtime.devices import emulate_devices
-from nnxscale.train import FAST_COMPILE, OPTIMIZED
+from nnxscale.runtime.devices import FAST_COMPILE, OPTIMIZED
 emulate_devices(2{optimize})
 x = jax.random.normal(jax.random.key(0), (4096,))
 def results(options):

@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from nnxscale import moe
+from nnxscale import TINY, moe
 from nnxscale.analysis.hlo import dot_flops
 from nnxscale.core.memory import CompiledMemory
-from nnxscale.model import MLP, TINY, dropless
+from nnxscale.model import MLP, dropless
 
 D, F, E = 16, 24, 5
 
@@ -167,7 +167,7 @@ def dropless_trainer(rules, devices=None):
     mesh = nx.strategy_mesh(rules, devices)
     return nx.Trainer.create(
         nx.create(cfg), nx.adamw(), rules, mesh, dropout=False,
-        compiler_options=nx.train.FAST_COMPILE,
+        compiler_options=nx.devices.FAST_COMPILE,
     )  # fmt: skip
 
 
@@ -355,7 +355,7 @@ def bias_trainer(rules, devices=None, *, rate=0.01, micro_batches=1, **options):
     cfg = nx.TINY.replace(dropout=0.0, experts=8, top_k=2, routing="dropless", bias_rate=rate)
     return nx.Trainer.create(
         nx.create(cfg), nx.adamw(), rules, nx.strategy_mesh(rules, devices), dropout=False,
-        micro_batches=micro_batches, compiler_options=nx.train.FAST_COMPILE, **options,
+        micro_batches=micro_batches, compiler_options=nx.devices.FAST_COMPILE, **options,
     )  # fmt: skip
 
 
@@ -409,7 +409,7 @@ def test_the_bias_balances_the_experts_without_a_balance_loss() -> None:
         )
         trainer = nx.Trainer.create(
             nx.create(cfg), nx.adamw(), nx.DP, nx.strategy_mesh(nx.DP, 1), dropout=False,
-            compiler_options=nx.train.FAST_COMPILE,
+            compiler_options=nx.devices.FAST_COMPILE,
         )  # fmt: skip
         trainer.train(batches, 12)
         routings = trainer.model().routings(jnp.asarray(batches.rows(12))[:, :-1])

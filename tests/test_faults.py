@@ -60,25 +60,27 @@ import pytest
 from flax import nnx
 
 import nnxscale as nx
-from nnxscale import launch
+from nnxscale import (
+    TINY,
+    Checkpoints,
+    Trainer,
+    TrainOptions,
+    Transformer,
+    adamw,
+    create,
+    launch,
+    trainer_for,
+)
 from nnxscale.checkpoint import (
     CheckpointMismatchError,
-    Checkpoints,
     CorruptCheckpointError,
     SaveError,
     SkippedCheckpointWarning,
 )
 from nnxscale.checkpoint.integrity import LOCK_FILE, DirectoryLockedError, checksums
-from nnxscale.model import TINY, Transformer, create
 from nnxscale.placement.rules import DP, strategy_mesh
 from nnxscale.runtime.devices import requested_devices
-from nnxscale.train import (
-    NonFiniteError,
-    Trainer,
-    TrainOptions,
-    adamw,
-    trainer_for,
-)
+from nnxscale.train import NonFiniteError
 from nnxscale.train.data import Batches, book_batches, encode
 from nnxscale.train.state import DESCRIBED_STEPS, describe_optimizer
 
@@ -767,7 +769,7 @@ def test_checksums_are_the_same_on_every_layout_and_see_every_bit() -> None:
     on_tp = Trainer.from_layout(
         trainer.graphdef,
         trainer.state,
-        nx.layout.resolve(trainer.state, nx.TP, strategy_mesh(nx.TP)),
+        nx.resolve(trainer.state, nx.TP, strategy_mesh(nx.TP)),
         config=trainer.config,
     )
     assert checksums(on_tp.state) == checksums(trainer.state)
@@ -990,6 +992,6 @@ def test_the_planner_refuses_a_device_count_beyond_any_cluster_at_once() -> None
     with pytest.raises(ValueError, match=r"devices=1,099,511,627,776: .* up to 1,048,576"):
         nx.plan(nx.Config(), 2**40, "H100", global_batch=2**40)
     assert time.perf_counter() - start < 1
-    assert sorted(nx.costs.planner.factorisations(12, 2)) == [
+    assert sorted(nx.planner.factorisations(12, 2)) == [
         (1, 12), (2, 6), (3, 4), (4, 3), (6, 2), (12, 1)
     ]  # fmt: skip

@@ -10,6 +10,7 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from nnxscale import TINY
 from nnxscale.figures import (
     SUM,
     block_sources,
@@ -29,7 +30,7 @@ from nnxscale.figures import (
     plot_topology,
     shard_blocks,
 )
-from nnxscale.model import TINY
+from nnxscale.model.configs import LLAMA3_8B
 from nnxscale.model.context import Ring
 from nnxscale.model.moe import route_groups
 from nnxscale.parallelism.schedules import (
@@ -268,20 +269,20 @@ def test_the_ledger_draws_four_parts_per_setup_from_the_cost_model() -> None:
 
     on = {"data": 8}
     setups = {n: costs.Setup.of(STRATEGIES[n], on, 1, "full") for n in ("DP", "ZeRO-2", "FSDP")}
-    fig = plot_ledger(costs.SEVEN_B, "H100", setups, batch=8, seq=4096)
+    fig = plot_ledger(LLAMA3_8B, "H100", setups, batch=8, seq=4096)
     (ax,) = fig.axes
     bars = [p.get_width() for p in ax.patches]
     assert len(bars) == len(costs.LEDGER_PARTS) * len(setups)
     for i, setup in enumerate(setups.values()):
-        parts = costs.ledger(costs.SEVEN_B, setup, 8, 4096)
+        parts = costs.ledger(LLAMA3_8B, setup, 8, 4096)
         expected = [parts[p] / 1e9 for p in costs.LEDGER_PARTS]
         assert bars[4 * i : 4 * i + 4] == pytest.approx(expected)
     assert [t.get_text() for t in ax.get_yticklabels()] == list(setups)
 
 
 def test_an_n_dimensional_layout_is_drawn_as_a_matrix_of_whole_shards(mesh) -> None:
+    from nnxscale import TINY, create
     from nnxscale.figures import matrix_view, plot_layouts
-    from nnxscale.model import TINY, create
     from nnxscale.placement.init import abstract
     from nnxscale.placement.layout import resolve
     from nnxscale.placement.rules import TP
@@ -327,8 +328,8 @@ def test_ring_costs_draw_the_formulas_and_the_counted_points() -> None:
 def test_rule_sets_cut_one_weight_on_their_own_meshes() -> None:
     from flax import nnx
 
+    from nnxscale import TINY, create
     from nnxscale.figures import plot_rule_sets
-    from nnxscale.model import TINY, create
     from nnxscale.placement.init import abstract
     from nnxscale.placement.rules import FSDP, TP
 
@@ -374,9 +375,9 @@ def test_a_restore_figure_outlines_the_readers_shard_and_hatches_what_it_reads()
 
 
 def test_init_memory_draws_device_0_alone_against_every_device_s_shards() -> None:
+    from nnxscale import Config, create
     from nnxscale.core.memory import CompiledMemory
     from nnxscale.figures import plot_init_memory
-    from nnxscale.model import Config, create
     from nnxscale.placement.init import InitPrograms
     from nnxscale.placement.rules import FSDP
 
@@ -395,8 +396,8 @@ def test_init_memory_draws_device_0_alone_against_every_device_s_shards() -> Non
 
 
 def test_zero_stages_stack_each_role_s_bytes_per_rule_set() -> None:
+    from nnxscale import Config, create
     from nnxscale.figures import plot_zero_stages
-    from nnxscale.model import Config, create
     from nnxscale.placement.rules import DP, FSDP, ZERO1, ZERO2
     from nnxscale.train import role_bytes
 
@@ -426,8 +427,8 @@ def test_data_parallel_draws_a_row_per_device_and_one_all_reduce() -> None:
 def test_tensor_parallel_mlp_is_drawn_from_the_layout() -> None:
     from flax import nnx
 
+    from nnxscale import TINY, create
     from nnxscale.figures import plot_tensor_parallel_mlp
-    from nnxscale.model import TINY, create
     from nnxscale.placement.init import abstract
     from nnxscale.placement.layout import resolve
     from nnxscale.placement.rules import TP, strategy_mesh

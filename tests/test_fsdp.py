@@ -8,12 +8,11 @@ import pytest
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from nnxscale import comm, fsdp
+from nnxscale import TINY, Trainer, adamw, comm, create, fsdp
 from nnxscale.analysis.hlo import collectives
 from nnxscale.core.memory import CompiledMemory
-from nnxscale.model import TINY, create
 from nnxscale.placement.rules import DP, FSDP, strategy_mesh
-from nnxscale.train import Trainer, adamw, loss_and_grads
+from nnxscale.train import loss_and_grads
 from nnxscale.train.data import book_batches
 
 CFG = TINY.replace(scan_layers=True)

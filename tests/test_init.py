@@ -11,9 +11,9 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from nnxscale import TINY, Config, create
 from nnxscale.analysis.hlo import largest_array
 from nnxscale.core.memory import CompiledMemory, device_bytes
-from nnxscale.model import TINY, Config, create
 from nnxscale.placement.init import (
     InitPrograms,
     abstract,

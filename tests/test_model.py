@@ -8,16 +8,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from nnxscale.model import (
-    BENCH,
-    LOGICAL_AXES,
-    TINY,
-    Transformer,
-    compute_copy,
-    count_params,
-    create,
-    remat_policy,
-)
+from nnxscale import TINY, Transformer, create
+from nnxscale.model import BENCH, LOGICAL_AXES, compute_copy, count_params, remat_policy
 from nnxscale.placement.init import abstract
 
 TOKENS = jnp.arange(2 * 16).reshape(2, 16) % TINY.vocab

@@ -135,7 +135,7 @@ def moe_trainer(rules, devices=None):
         rules,
         mesh,
         dropout=False,
-        compiler_options=nx.train.FAST_COMPILE,
+        compiler_options=nx.devices.FAST_COMPILE,
     )
 
 

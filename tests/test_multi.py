@@ -7,8 +7,7 @@ import math
 
 import pytest
 
-from nnxscale import cli, events, launch
-from nnxscale.checkpoint import Checkpoints
+from nnxscale import Checkpoints, cli, events, launch
 from nnxscale.checkpoint.multi import bytes_written, planned
 from nnxscale.costs import crossing
 from nnxscale.placement.rules import FSDP_TP

@@ -8,10 +8,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from nnxscale import pipeline
+from nnxscale import PP, PP_FSDP, TINY, Trainer, adamw, create, pipeline
 from nnxscale.analysis.hlo import branch_work, collectives
 from nnxscale.core.memory import CompiledMemory
-from nnxscale.model import TINY, create, group_layers, layer_rounds
 from nnxscale.parallelism.schedules import (
     ScheduleError,
     expected_bubble,
@@ -23,8 +22,9 @@ from nnxscale.parallelism.schedules import (
     zero_bubble_v,
 )
 from nnxscale.placement.layout import resolve
+from nnxscale.placement.rounds import group_layers, layer_rounds
 from nnxscale.placement.rules import DP, strategy_mesh
-from nnxscale.train import Trainer, adamw, loss_and_grads
+from nnxscale.train import loss_and_grads
 from nnxscale.train.agree import order_ulps
 from nnxscale.train.data import book_batches
 
@@ -42,8 +42,8 @@ def placed(mesh, virtual: int = 1) -> nnx.Module:
 
 
 def test_placed_lays_the_model_out_by_the_rules_its_mesh_implies() -> None:
-    for mesh, rules in ((pipeline.pipeline_mesh(2), pipeline.PP),
-                        (pipeline.pipeline_mesh(2, 2), pipeline.PP_FSDP)):  # fmt: skip
+    for mesh, rules in ((pipeline.pipeline_mesh(2), PP),
+                        (pipeline.pipeline_mesh(2, 2), PP_FSDP)):  # fmt: skip
         assert pipeline.rules_for(mesh) is rules
         state = nnx.state(placed(mesh))
         expected = resolve(state, rules, mesh).shardings()

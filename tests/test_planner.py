@@ -6,16 +6,15 @@ import dataclasses
 
 import pytest
 
-from nnxscale import costs, planner
+from nnxscale import TINY, costs, plan, planner
 from nnxscale.evidence import runs, table
-from nnxscale.model import TINY
-from nnxscale.model.configs import LLAMA3_405B
+from nnxscale.model.configs import LLAMA3_8B, LLAMA3_405B
 from nnxscale.placement.rules import STRATEGIES
 
 
 @pytest.fixture(scope="module")
 def seven() -> planner.Plan:
-    return planner.plan(costs.SEVEN_B, 8, "H100", global_batch=64, seq=4096)
+    return plan(LLAMA3_8B, 8, "H100", global_batch=64, seq=4096)
 
 
 def test_every_factorisation_is_tried() -> None:
@@ -44,17 +43,17 @@ def test_a_gpu_plan_fits_the_share_its_runtime_gives_and_says_so(seven: planner.
     an H100's 80 GB but not its 60, and the plan names the variable that changes it."""
     assert seven.memory == 0.9 * 80e9 and "a tuned trainer's 90%" in seven._repr_markdown_()
     assert "by the fused ledger" in seven._repr_markdown_()
-    own = planner.plan(costs.SEVEN_B, 8, "H100", global_batch=64, seq=4096,
+    own = plan(LLAMA3_8B, 8, "H100", global_batch=64, seq=4096,
                        ledger="program", precision=costs.Precision())  # fmt: skip
     assert own.memory == 0.75 * 80e9 and not own["ZeRO-2"].fits and not own["PP"].fits
     assert "JAX's default 75%" in own._repr_markdown_()
     assert "XLA_CLIENT_MEM_FRACTION" in own._repr_markdown_()
-    whole = planner.plan(costs.SEVEN_B, 8, "H100", global_batch=64, seq=4096,
+    whole = plan(LLAMA3_8B, 8, "H100", global_batch=64, seq=4096,
                          memory_per_device=80e9, ledger="program",
                          precision=costs.Precision())  # fmt: skip
     assert whole["ZeRO-2"].fits and whole["PP"].fits
     assert "XLA_CLIENT_MEM_FRACTION" not in whole._repr_markdown_()
-    tpu = planner.plan(costs.SEVEN_B, 8, "TPU v5p", global_batch=64, seq=4096)
+    tpu = plan(LLAMA3_8B, 8, "TPU v5p", global_batch=64, seq=4096)
     assert tpu.memory == costs.HARDWARE["TPU v5p"].memory
 
 
@@ -76,14 +75,14 @@ def test_the_planner_searches_degrees_micro_batches_and_remat(seven: planner.Pla
 
 
 def test_a_model_too_large_for_any_plan_says_why() -> None:
-    tiny_memory = planner.plan(TINY, 8, "H100", global_batch=8, seq=32, memory_per_device=1e3)
+    tiny_memory = plan(TINY, 8, "H100", global_batch=8, seq=32, memory_per_device=1e3)
     with pytest.raises(ValueError, match="no plan fits 8 x H100") as error:
         _ = tiny_memory.best
     assert "FSDP: needs" in str(error.value)
 
 
 def test_a_device_count_that_divides_nothing_gets_reasons() -> None:
-    odd = planner.plan(costs.SEVEN_B, 7, "H100", global_batch=7, seq=4096)
+    odd = plan(LLAMA3_8B, 7, "H100", global_batch=7, seq=4096)
     assert odd.rejected["FSDP"].startswith("the data axis (7) does not divide")
     assert "does not divide" in odd.rejected["TP"] or "does not split" in odd.rejected["TP"]
 
@@ -111,7 +110,7 @@ def test_bad_input_is_refused_with_the_fix(kwargs: dict, message: str) -> None:
     args.update(kwargs)
     changes, devices, hw = args.pop("cfg"), args.pop("devices"), args.pop("hw")
     with pytest.raises(ValueError, match=message):
-        planner.plan(costs.SEVEN_B.replace(**changes), devices, hw, **args)
+        plan(LLAMA3_8B.replace(**changes), devices, hw, **args)
 
 
 def test_a_setup_says_itself_in_words() -> None:
@@ -121,7 +120,7 @@ def test_a_setup_says_itself_in_words() -> None:
     assert one.describe() == "DP on one device, 1 micro-batch, full remat"
 
 
-MIXTURE = costs.SEVEN_B.replace(experts=8, top_k=2, capacity_factor=1.25, mlp=21504)
+MIXTURE = LLAMA3_8B.replace(experts=8, top_k=2, capacity_factor=1.25, mlp=21504)
 
 
 def test_a_mixture_is_planned_with_expert_parallelism() -> None:
@@ -129,7 +128,7 @@ def test_a_mixture_is_planned_with_expert_parallelism() -> None:
     axis that divides them; rule sets the cost model does not price for a mixture (context
     axes) are not tried, and a plan that names one says why; pipelines are priced on 1F1B,
     not on the book's lockstep executor (nor, unless asked, on zero-bubble schedules)."""
-    mixed = planner.plan(MIXTURE, 64, "H100", global_batch=512, seq=4096)
+    mixed = plan(MIXTURE, 64, "H100", global_batch=512, seq=4096)
     assert planner.planned(MIXTURE) == (
         *("DP", "ZeRO-2", "FSDP", "HSDP", "TP", "FSDP+TP", "PP", "PP+FSDP", "PP+FSDP+TP"),
         *("EP", "FSDP+EP", "PP+FSDP+EP"),
@@ -142,17 +141,17 @@ def test_a_mixture_is_planned_with_expert_parallelism() -> None:
     assert {dict(o.setup.mesh)["expert"] for o in ep if o.cost} == {1, 2, 4, 8}
     assert all("does not divide experts (8)" in o.reason for o in ep if not o.cost)
     assert mixed.best.fits and mixed.best.strategy in tried
-    asked = planner.plan(MIXTURE, 8, "H100", global_batch=64, seq=4096, strategies=["CP", "EP"])
+    asked = plan(MIXTURE, 8, "H100", global_batch=64, seq=4096, strategies=["CP", "EP"])
     assert asked.rejected["CP"].startswith("rule set 'CP' splits the sequence")
     with pytest.raises(ValueError, match="CP: rule set 'CP' splits the sequence"):
-        _ = planner.plan(MIXTURE, 8, "H100", global_batch=64, seq=4096, strategies=["CP"]).best
+        _ = plan(MIXTURE, 8, "H100", global_batch=64, seq=4096, strategies=["CP"]).best
 
 
 def test_a_dropless_mixture_is_planned_without_expert_parallelism_and_says_why() -> None:
     """Dropless routing is priced under data parallelism, FSDP and pipelines; the rule sets
     with an expert or tensor axis are listed as rejected, each with the reason."""
     dropless = MIXTURE.replace(routing="dropless", expert_block=512)
-    found = planner.plan(dropless, 256, "H100", global_batch=1024, seq=4096)
+    found = plan(dropless, 256, "H100", global_batch=1024, seq=4096)
     assert found.best.fits and found.best.strategy in ("DP", "ZeRO-2", "FSDP", "HSDP", "PP+FSDP")
     for name in ("EP", "FSDP+EP"):
         assert "not price for a dropless mixture" in found.rejected[name]
@@ -165,14 +164,14 @@ def test_a_4k_sequence_is_not_split_on_h100s(devices: int) -> None:
     than a ring does on its chunk, so at 4,096 tokens splitting the sequence only adds
     hops: the fastest plan for Llama 3 8B keeps sequences whole (so did Llama 3's own
     pre-training at 8,192 tokens)."""
-    found = planner.plan(costs.SEVEN_B, devices, "H100", global_batch=4 * devices, seq=4096)
+    found = plan(LLAMA3_8B, devices, "H100", global_batch=4 * devices, seq=4096)
     assert not planner.splits_the_sequence(found.best)
     assert any(planner.splits_the_sequence(o) for o in found.options if o.cost)  # CP priced
 
 
 def test_context_parallelism_wins_once_sequences_are_long() -> None:
     lengths = [4096 * 2**i for i in range(4)]
-    first, plans = planner.context_wins_from(costs.SEVEN_B, 64, "H100", 1 << 21, lengths)
+    first, plans = planner.context_wins_from(LLAMA3_8B, 64, "H100", 1 << 21, lengths)
     assert first is not None and first > 4096
     assert planner.splits_the_sequence(plans[first].best)
     assert not any(planner.splits_the_sequence(plans[n].best) for n in lengths if n < first)
@@ -182,8 +181,8 @@ def test_the_headline_plans_are_what_practitioners_run_and_near_ones_are_tied() 
     """Llama 3 8B at 4,096 tokens: FSDP on one host of eight H100s, hybrid sharding on
     eight hosts; options within `TIE` of the fastest are tied, and each loser says why."""
     practised = {"FSDP", "HSDP", "ZeRO-1", "ZeRO-2"}
-    one = planner.plan(costs.SEVEN_B, 8, "H100", global_batch=64, seq=4096)
-    eight = planner.plan(costs.SEVEN_B, 64, "H100", global_batch=512, seq=4096)
+    one = plan(LLAMA3_8B, 8, "H100", global_batch=64, seq=4096)
+    eight = plan(LLAMA3_8B, 64, "H100", global_batch=512, seq=4096)
     assert one.best.strategy in practised and eight.best.strategy in practised
     for found in (one, eight):
         tied = found.tied
@@ -210,7 +209,7 @@ def test_the_tie_is_the_models_spread_between_layouts_of_one_model() -> None:
 def test_a_device_count_no_plan_fits_is_refused_naming_counts_that_work() -> None:
     """Llama 3 8B on 7 H100s in this library's program: nothing divides 7 but a pipeline,
     which the program runs on its lockstep executor only with a micro-batch per stage."""
-    odd = planner.plan(costs.SEVEN_B, 7, "H100", global_batch=7, seq=4096,
+    odd = plan(LLAMA3_8B, 7, "H100", global_batch=7, seq=4096,
                        ledger="program", precision=costs.Precision())  # fmt: skip
     with pytest.raises(ValueError, match=r"Device counts near 7 that have a plan .*: 8\."):
         _ = odd.best
@@ -220,8 +219,8 @@ def test_a_device_count_no_plan_fits_is_refused_naming_counts_that_work() -> Non
 def test_a_leaner_optimizer_state_lets_more_plans_fit() -> None:
     eight_bit = costs.PRECISIONS["bfloat16 + float32 master, 8-bit Adam"]
     own = dict(global_batch=64, seq=4096, ledger="program")
-    book = planner.plan(costs.SEVEN_B, 8, "H100", precision=costs.Precision(), **own)
-    lean = planner.plan(costs.SEVEN_B, 8, "H100", precision=eight_bit, **own)
+    book = plan(LLAMA3_8B, 8, "H100", precision=costs.Precision(), **own)
+    lean = plan(LLAMA3_8B, 8, "H100", precision=eight_bit, **own)
     assert not book["ZeRO-2"].fits and lean["ZeRO-2"].fits
     assert lean.best.setup.precision == eight_bit
 
@@ -231,7 +230,7 @@ def test_llama_3_405b_on_16384_h100s_is_planned_within_the_stated_factor() -> No
     TFLOP/s per GPU (the field's count) within `runs.WORST`. Meta's own layout (16 stages,
     FSDP 128, TP 8, no activation checkpointing) holds a peak that fits the 80 GB it ran
     in, but not with the planner's headroom, and the plan says so."""
-    found = planner.plan(LLAMA3_405B, 16_384, "H100", global_batch=2048, seq=8192)
+    found = plan(LLAMA3_405B, 16_384, "H100", global_batch=2048, seq=8192)
     flops = costs.model_flops(LLAMA3_405B, 2048, 8192) / 16_384
     tflops = flops / found.best.cost.step_time / 1e12
     assert 400 / runs.WORST <= tflops <= 400 * runs.WORST
@@ -255,12 +254,12 @@ def test_asked_for_a_context_ring_in_stages_the_planner_finds_llama_3s_shape_at_
     it needs a runtime of one program per stage."""
     offered = (*planner.PLANNED, "PP+FSDP+CP+TP")
     long = LLAMA3_405B.replace(max_len=131_072)
-    found = planner.plan(long, 16_384, "H100", global_batch=128, seq=131_072, strategies=offered)
+    found = plan(long, 16_384, "H100", global_batch=128, seq=131_072, strategies=offered)
     best = found.best
     assert best.strategy == "PP+FSDP+CP+TP" and best.setup.schedule == "1F1B"
     assert best.setup.sizes["stage"] == 16 and best.setup.sizes["model"] == 8
     assert planner.splits_the_sequence(best)
-    short = planner.plan(
+    short = plan(
         LLAMA3_405B,
         16_384,
         "H100",
@@ -271,7 +270,7 @@ def test_asked_for_a_context_ring_in_stages_the_planner_finds_llama_3s_shape_at_
     )
     assert short.best.setup.schedule == "ZB-V"
     assert "needs a runtime of one program per stage" in short.best.setup.describe()
-    default = planner.plan(LLAMA3_405B, 16_384, "H100", global_batch=2048, seq=8192)
+    default = plan(LLAMA3_405B, 16_384, "H100", global_batch=2048, seq=8192)
     assert all(o.setup.schedule in planner.SCHEDULED for o in default.options)
 
 
@@ -279,8 +278,8 @@ def test_the_planner_reduces_once_a_step_where_the_weights_fit_whole() -> None:
     """A 4-layer Llama 3 8B on 32 H100s, 1,024 sequences: accumulating 32 micro-batches and
     reducing once a step (DDP's `no_sync`) leaves less exposed than reducing each one, and
     holds more (the weights gathered whole)."""
-    cfg = costs.SEVEN_B.replace(layers=4)
-    best = planner.plan(cfg, 32, "H100", global_batch=1024, seq=4096).best
+    cfg = LLAMA3_8B.replace(layers=4)
+    best = plan(cfg, 32, "H100", global_batch=1024, seq=4096).best
     assert best.setup.reduce_once and best.setup.micro_batches > 1
     each = dataclasses.replace(best.setup, reduce_once=False)
     every = costs.step_cost(cfg, each, "H100", 1024, 4096)
@@ -292,7 +291,7 @@ def test_a_context_ring_inside_pipeline_stages_runs_its_stages_share() -> None:
     computes its stage's FLOPs, 1/p of the same ring without stages; with full remat it
     keeps each layer's input split over the ring and over TP's sequence parallelism."""
     staged = STRATEGIES["PP+FSDP+CP+TP"]
-    cfg, batch, seq = costs.SEVEN_B.replace(max_len=32_768), 16, 32_768
+    cfg, batch, seq = LLAMA3_8B.replace(max_len=32_768), 16, 32_768
     inner = {"context": 4, "model": 2}
     one = costs.Setup.of(STRATEGIES["FSDP+CP+TP"], {"data": 2, **inner}, 8, "full")
     four = costs.Setup.of(
@@ -330,17 +329,16 @@ def test_a_pipeline_is_priced_by_its_schedule() -> None:
     for schedule, virtual in (("lockstep", 1), ("1F1B", 1), ("1F1B", 2)):
         mesh = {"stage": 4, "fsdp": 2, "model": 2}
         setup = costs.Setup.of(rules, mesh, 8, "full", schedule=schedule, virtual=virtual)
-        steps[schedule, virtual] = costs.step_cost(costs.SEVEN_B, setup, "H100", 16, 4096)
+        steps[schedule, virtual] = costs.step_cost(LLAMA3_8B, setup, "H100", 16, 4096)
     assert steps["1F1B", 1].bubble == pytest.approx(3 / 11)
     assert steps["1F1B", 2].bubble == pytest.approx(3 / 19)
     assert steps["lockstep", 1].bubble > steps["1F1B", 1].bubble
     kept = {
-        v: costs.ledger(costs.SEVEN_B, steps["1F1B", v].setup, 16, 4096)["activations"]
-        for v in (1, 2)
+        v: costs.ledger(LLAMA3_8B, steps["1F1B", v].setup, 16, 4096)["activations"] for v in (1, 2)
     }
     assert kept[2] > kept[1]
     padded = costs.Setup.of(rules, {"stage": 5, "fsdp": 2, "model": 2}, 8, "full", schedule="1F1B")
-    assert costs.sizes_of(costs.SEVEN_B, padded, 16, 4096)["layers"] == 35
+    assert costs.sizes_of(LLAMA3_8B, padded, 16, 4096)["layers"] == 35
     with pytest.raises(ValueError, match="only for the 1F1B schedule"):
         costs.Setup.of(rules, {"stage": 4}, 8, virtual=2)
     with pytest.raises(ValueError, match="schedule='ZB'"):
@@ -348,8 +346,6 @@ def test_a_pipeline_is_priced_by_its_schedule() -> None:
 
 
 def test_the_device_counts_that_work_are_named_once() -> None:
-    small = planner.plan(
-        costs.SEVEN_B, 8, "H100", global_batch=64, seq=4096, memory_per_device=20e9
-    )
+    small = plan(LLAMA3_8B, 8, "H100", global_batch=64, seq=4096, memory_per_device=20e9)
     found = small.nearest()
     assert found == sorted(set(found)) and 16 in found

@@ -10,8 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from nnxscale import cli, events
-from nnxscale.checkpoint import Checkpoints
+from nnxscale import Checkpoints, cli, events
 from nnxscale.runtime.launch import Run, launch, start
 from nnxscale.runtime.preemption import Preemption
 

@@ -17,7 +17,7 @@ import pytest
 import nnxscale as nx
 from nnxscale import machine, profiles
 from nnxscale.costs import HARDWARE
-from nnxscale.train import OPTIMIZED
+from nnxscale.runtime.devices import OPTIMIZED
 
 CFG = nx.Config(
     vocab=128, embed=64, heads=4, head_dim=16, mlp=256, layers=2, max_len=32, dropout=0.0
@@ -157,8 +157,8 @@ def test_a_folder_without_a_trace_says_how_to_make_one(tmp_path: Path) -> None:
 def test_a_trace_of_another_program_is_refused(fsdp: nx.Trainer, tmp_path: Path) -> None:
     """By its module's name, even where its op names coincide with the program's (`join`
     returned that program's costs), and by an op the program does not hold."""
-    name = profiles.Program.of(fsdp.compiled).name
-    ours = next(i.name for _, i in profiles.Program.of(fsdp.compiled).instructions())
+    name = nx.program.Program.of(fsdp.compiled).name
+    ours = next(i.name for _, i in nx.program.Program.of(fsdp.compiled).instructions())
     _trace_file(tmp_path / "other", [_op(ours, 1.0, 1.0)])  # module jit_f
     with pytest.raises(ValueError, match=rf"ops of 'jit_f', and the compiled program is '{name}'"):
         profiles.join(profiles.read(tmp_path / "other"), fsdp.compiled)
@@ -262,8 +262,8 @@ def test_an_accelerators_ops_belong_to_the_launch_before_them(tmp_path: Path) ->
 def test_step_options_ask_each_backend_only_for_what_it_knows() -> None:
     options = profiles.step_options(jax.devices()[0])
     assert options == OPTIMIZED | {"xla_cpu_enable_xprof_traceme": True}
-    assert nx.train.accepts("cpu", "xla_backend_optimization_level", 3)
-    assert not nx.train.accepts("cpu", "xla_no_such_option_anywhere", True)
+    assert nx.compiling.accepts("cpu", "xla_backend_optimization_level", 3)
+    assert not nx.compiling.accepts("cpu", "xla_no_such_option_anywhere", True)
 
 
 def test_the_wait_for_the_last_device_is_read_off_the_starts() -> None:

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import pytest
 from flax import nnx
 
-from nnxscale.model import TINY, Config, create
+from nnxscale import TINY, Config, create
 from nnxscale.placement.init import abstract
 from nnxscale.placement.layout import largest_divisible_dim, resolve
 from nnxscale.placement.mesh import make_mesh

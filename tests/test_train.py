@@ -10,24 +10,15 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from nnxscale import costs
+from nnxscale import TINY, Trainer, TrainOptions, adamw, costs, create, trainer_for
 from nnxscale.analysis.hlo import collectives
 from nnxscale.core.memory import CompiledMemory, device_bytes
 from nnxscale.core.trees import largest_difference
-from nnxscale.model import TINY, create
 from nnxscale.model.losses import cross_entropy
+from nnxscale.placement.compiling import two_at_a_time
 from nnxscale.placement.mesh import AxisTypeError
 from nnxscale.placement.rules import DP, FSDP, FSDP_TP, TP, strategy_mesh
-from nnxscale.train import (
-    Trainer,
-    TrainOptions,
-    adamw,
-    loss_and_grads,
-    params_by_path,
-    trainer_for,
-    two_at_a_time,
-    unreduced_grads,
-)
+from nnxscale.train import loss_and_grads, params_by_path, unreduced_grads
 from nnxscale.train.agree import agreement
 from nnxscale.train.data import Batches, arithmetic_text, encode
 
@@ -199,7 +190,8 @@ def test_one_options_object_reaches_the_step() -> None:
 
 
 def test_role_bytes_split_what_each_zero_stage_splits() -> None:
-    from nnxscale.model import Config, count_params
+    from nnxscale import Config
+    from nnxscale.model import count_params
     from nnxscale.placement.init import abstract
     from nnxscale.placement.rules import ZERO1, ZERO2
     from nnxscale.train import role_bytes
@@ -228,7 +220,8 @@ def test_role_bytes_split_what_each_zero_stage_splits() -> None:
 
 
 def test_role_bytes_plan_for_devices_this_machine_has_not() -> None:
-    from nnxscale.model import Config, count_params
+    from nnxscale import Config
+    from nnxscale.model import count_params
     from nnxscale.placement.init import abstract
     from nnxscale.placement.rules import ZERO2
     from nnxscale.train import role_bytes

@@ -8,7 +8,6 @@ from nnxscale.checkpoint.errors import (
     SaveError,
     SkippedCheckpointWarning,
 )
-from nnxscale.checkpoint.integrity import checksums
 from nnxscale.checkpoint.records import (
     FALL_BACK,
     FILE_ROLES,
@@ -31,12 +30,10 @@ from nnxscale.checkpoint.restoring import (
 )
 from nnxscale.checkpoint.store import (
     MONITORING_TOOL,
-    Checkpoints,
     SaveTimes,
     finish_at_program_end,
     orbax_manager,
 )
-from nnxscale.placement.rounds import held_in
 
 __all__ = [
     "FALL_BACK",
@@ -45,7 +42,6 @@ __all__ = [
     "PARTIAL",
     "CheckpointError",
     "CheckpointMismatchError",
-    "Checkpoints",
     "CorruptCheckpointError",
     "NoCheckpointError",
     "Record",
@@ -56,11 +52,9 @@ __all__ = [
     "check_data",
     "check_matches",
     "check_target",
-    "checksums",
     "chunks_read",
     "file_role",
     "finish_at_program_end",
-    "held_in",
     "orbax_manager",
     "record_from",
     "record_of",

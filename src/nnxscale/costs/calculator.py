@@ -23,7 +23,6 @@ from nnxscale.costs.counts import (
     PLANNING,
     PRECISIONS,
     SCHEDULES,
-    SEVEN_B,
     STATE_BYTES,
     Precision,
     Setup,
@@ -33,6 +32,7 @@ from nnxscale.costs.derive import derive, unledgered
 from nnxscale.costs.hardware import HARDWARE, TUNED_SHARE
 from nnxscale.costs.planner import EXPERT_PLANNED, HEADROOM, PLANNED, REMATS
 from nnxscale.costs.steps import HIDDEN
+from nnxscale.model.configs import LLAMA3_8B
 from nnxscale.model.context import BLOCK
 from nnxscale.model.transformer import Config
 from nnxscale.placement.rules import STRATEGIES, Rules
@@ -186,7 +186,7 @@ class Calculator:
 
 
 def widget(
-    cfg: Config = SEVEN_B,
+    cfg: Config = LLAMA3_8B,
     *,
     strategy: str = "FSDP",
     hardware: str = "H100",

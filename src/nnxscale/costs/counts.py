@@ -9,7 +9,6 @@ import math
 from collections.abc import Mapping
 
 from nnxscale.costs.formula import Formula
-from nnxscale.model.configs import LLAMA3_8B, LLAMA3_70B
 from nnxscale.model.context import BLOCK
 from nnxscale.model.dropless import blocks
 from nnxscale.model.moe import capacity
@@ -528,11 +527,3 @@ def mixture_problem(cfg: Config) -> str:
             "experts (`step_flops`), not their state or memory: price the mixture without them"
         )
     return ""
-
-
-SEVEN_B = LLAMA3_8B
-"""The book's 8 B-parameter reference model: Llama 3 8B (`nnxscale.configs`)."""
-
-
-SEVENTY_B = LLAMA3_70B
-"""The book's 70 B-parameter reference model: Llama 3 70B."""

@@ -25,7 +25,7 @@ from nnxscale.parallelism.schedules import (
 
 
 @dataclasses.dataclass(frozen=True)
-class Collective:
+class PricedCollective:
     """A group of collectives of one step, evaluated: bytes sent per device, seconds it takes
     on the link its axes cross, and its share of the seconds compute leaves exposed in its
     lane (`lanes`)."""
@@ -54,7 +54,7 @@ class StepCost:
     phases: dict[str, float]
     """Working memory at each candidate for the peak (the peak is the largest)."""
     flops: float
-    collectives: tuple[Collective, ...]
+    collectives: tuple[PricedCollective, ...]
     compute_time: float
     bubble: float
     step_time: float
@@ -295,7 +295,7 @@ def _collectives(
     hw: Hardware,
     window: dict[str, float],
     setup: Setup,
-) -> list[Collective]:
+) -> list[PricedCollective]:
     """Each transfer of the step that crosses devices, timed on `hw`, exposed whole if compute
     cannot hide it, else with its share of what compute leaves exposed in its lane (`hide`,
     per lane: `lanes`, which run side by side); what the framework overlaps
@@ -329,7 +329,9 @@ def _collectives(
         exposed = hide(seconds, overlap, [row[6] for row in group], window)
         share[lane] = exposed / (sum(seconds) or 1.0)
     return [
-        Collective(t, n, array, sent, s, s * share[lane] if t.overlap in HIDDEN else s, where, lane)
+        PricedCollective(
+            t, n, array, sent, s, s * share[lane] if t.overlap in HIDDEN else s, where, lane
+        )
         for (t, n, array, sent, s, where, _), lane in zip(timed, found, strict=True)
     ]
 

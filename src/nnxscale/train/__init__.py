@@ -1,8 +1,5 @@
 """Training: the jitted, donating step, its options, state and `Trainer`; data; agreement."""
 
-from nnxscale.model.losses import next_token_loss
-from nnxscale.placement.compiling import accepts, traced, two_at_a_time
-from nnxscale.runtime.devices import FAST_COMPILE, OPTIMIZED
 from nnxscale.train.checks import (
     batch_kind,
     check_axis_type,
@@ -18,9 +15,7 @@ from nnxscale.train.state import (
     MasterState,
     NonFiniteError,
     StateLostError,
-    TrainOptions,
     TrainState,
-    adamw,
     check_model,
     check_optimizer,
     config_record,
@@ -43,23 +38,17 @@ from nnxscale.train.step import (
     trial_update,
     unreduced_grads,
 )
-from nnxscale.train.trainer import Trainer, compile_all, trainer_for
+from nnxscale.train.trainer import compile_all
 
 __all__ = [
     "EMA",
-    "FAST_COMPILE",
     "LEARNING_RATE",
     "NONFINITE",
-    "OPTIMIZED",
     "ROLE_NAMES",
     "MasterState",
     "NonFiniteError",
     "StateLostError",
-    "TrainOptions",
     "TrainState",
-    "Trainer",
-    "accepts",
-    "adamw",
     "all_finite",
     "batch_kind",
     "check_axis_type",
@@ -77,16 +66,12 @@ __all__ = [
     "master_weights",
     "mean_loss",
     "model_config",
-    "next_token_loss",
     "params_by_path",
     "role_bytes",
     "split_micro_batches",
     "step_grads_fn",
     "summed_over_micro_batches",
-    "traced",
     "train_step",
-    "trainer_for",
     "trial_update",
-    "two_at_a_time",
     "unreduced_grads",
 ]
