@@ -52,8 +52,9 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import NamedSharding, PartitionSpec
 
+from nnxscale.core.steered import Steered
 from nnxscale.model.moe import MoEError, check_experts, largest
-from nnxscale.placement.layout import activation_axis, activation_spec, constrain
+from nnxscale.placement.constraints import activation_axis, activation_spec, constrain
 from nnxscale.placement.mesh import constrain_to
 
 
@@ -150,12 +151,17 @@ class Routed:
     dropped: jax.Array
 
 
-class RouterBias(nnx.Variable):
+class RouterBias(Steered):
     """A router's per-expert bias for choosing experts, not for weighing them: DeepSeek-V3's
     balance without an auxiliary loss. The loss does not train it. Its gradient carries the
-    copies each expert received in the step (`loads_as_gradient`), summed over micro-batches
+    copies each expert received in the step (`loads_as_gradient`), combined over micro-batches
     and devices as gradients are, and the train step moves it by its `rate` metadata toward
-    the experts that received fewer than the mean (`rebalance`)."""
+    the experts that received fewer than the mean (`steered`)."""
+
+    def steered(self, statistic: jax.Array) -> jax.Array:
+        """b + rate x sign(mean load - load), from the step's loads (DeepSeek-V3's rule)."""
+        step = self.get_metadata()["rate"] * jnp.sign(statistic.mean(-1, keepdims=True) - statistic)
+        return self[...] + step
 
 
 @jax.custom_vjp
@@ -174,18 +180,6 @@ def _loads_backward(load: jax.Array, _: jax.Array) -> tuple[jax.Array, jax.Array
 
 
 loads_as_gradient.defvjp(_loads_forward, _loads_backward)
-
-
-def rebalance(model: nnx.Module, grads: nnx.State) -> None:
-    """Move every `RouterBias` of `model` by its rate toward balance, from the loads in its
-    gradient slot: b += rate x sign(mean load - load) (DeepSeek-V3's rule)."""
-    loads = dict(nnx.to_flat_state(nnx.state(grads, RouterBias)))
-    moved = []
-    for path, bias in nnx.to_flat_state(nnx.state(model, RouterBias)):
-        load = loads[path][...]
-        step = bias.get_metadata()["rate"] * jnp.sign(load.mean(-1, keepdims=True) - load)
-        moved.append((path, bias.replace(bias[...] + step)))
-    nnx.update(model, nnx.from_flat_state(moved))
 
 
 def with_loads(routed: Routed, bias: jax.Array | None) -> Routed:

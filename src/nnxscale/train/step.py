@@ -15,8 +15,8 @@ from flax import nnx
 from jax.sharding import AbstractMesh, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from nnxscale.core.steered import Steered, steer
 from nnxscale.core.trees import flat
-from nnxscale.model.dropless import RouterBias, rebalance
 from nnxscale.model.losses import GradsFn, LossFn, next_token_loss
 from nnxscale.placement.compiling import run_under
 from nnxscale.placement.init import abstract
@@ -61,9 +61,9 @@ def split_micro_batches(batch: Any, k: int) -> Any:
     return jax.tree.map(split, batch)
 
 
-DIFFERENTIATED = nnx.Any(nnx.Param, RouterBias)
-"""What `loss_and_grads` differentiates: the parameters, and the router biases, whose
-gradients are the loads that move them (`nnxscale.dropless.RouterBias`)."""
+DIFFERENTIATED = nnx.Any(nnx.Param, Steered)
+"""What `loss_and_grads` differentiates: the parameters, and the model's `Steered` variables,
+whose gradients are the statistics that move them (the dropless mixture's router biases)."""
 
 
 def mean_loss(
@@ -129,7 +129,7 @@ def loss_and_grads(
         if grad_shardings is None:
             return grads
         weights = jax.tree.map(constrain_to, nnx.state(grads, nnx.Param), grad_shardings)
-        return nnx.merge_state(weights, nnx.state(grads, RouterBias))
+        return nnx.merge_state(weights, nnx.state(grads, Steered))
 
     def loss_and_grads_of(batch: Any, key: jax.Array | None) -> tuple[jax.Array, nnx.State]:
         loss, grads = jax.value_and_grad(loss_of)(params, batch, key)
@@ -224,19 +224,23 @@ def train_step(
     key = ts.rngs.dropout() if dropout else None
     loss, grads = grads_fn(ts.model, batch, key, micro_batches)
     counter = ts.optimizer.step[...]
-    biased = bool(jax.tree.leaves(nnx.state(ts.model, RouterBias)))
-    if biased and not jax.tree.leaves(nnx.state(grads, RouterBias)):
+    steered = bool(jax.tree.leaves(nnx.state(ts.model, Steered)))
+    if steered and not jax.tree.leaves(nnx.state(grads, Steered)):
+        names = sorted(
+            {type(v).__name__ for _, v in nnx.to_flat_state(nnx.state(ts.model, Steered))}
+        )
         raise ValueError(
-            "the model's router biases (Config.bias_rate) move by the loads that the "
-            "library's loss_and_grads returns as their gradients, and this gradient function "
-            "returns none: train with the default gradients, or set bias_rate=0."
+            f"the model's {', '.join(names)} variables (the router biases of Config.bias_rate "
+            "in the book's model) move by statistics that the library's loss_and_grads returns "
+            "as their gradients, and this gradient function returns none: train with the "
+            "default gradients, or build the model without them: bias_rate=0."
         )
 
     def update(values: nnx.State) -> nnx.State:
         ts = nnx.merge(graphdef, values)
         ts.optimizer.update(ts.model, grads)
-        if biased:
-            rebalance(ts.model, grads)
+        if steered:
+            steer(ts.model, grads)
         decay = ts.ema_decay
         for path, param in params_by_path(ts.model).items():
             ts.ema[path][...] = decay * ts.ema[path][...] + (1 - decay) * param[...]
