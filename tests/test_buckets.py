@@ -266,7 +266,7 @@ def test_an_endpoint_that_does_not_answer_fails_within_the_stated_time(tmp_path)
     code = """
 import time
 import nnxscale.checkpoint.buckets as buckets
-from nnxscale.checkpoint import Checkpoints
+from nnxscale import Checkpoints
 buckets.REACH_SECONDS = 3
 start = time.perf_counter()
 try:
@@ -314,7 +314,7 @@ def test_a_process_that_cannot_open_the_bucket_stops_every_process_and_frees_the
 from nnxscale.runtime.launch import initialize
 initialize()
 import os, jax
-from nnxscale.checkpoint import Checkpoints
+from nnxscale import Checkpoints
 if jax.process_index() == 1:
     os.environ["GOOGLE_APPLICATION_CREDENTIALS"] = "/no/such/key.json"
 try:
@@ -356,11 +356,9 @@ def test_credentials_that_may_not_write_are_named_and_what_is_saved_still_restor
     writes or deletes anything; the same credentials still restore the saved steps."""
     code = f"""
 import time
-from nnxscale.checkpoint import Checkpoints, checksums
+from nnxscale import TP, Checkpoints, Transformer, adamw, strategy_mesh
+from nnxscale.checkpoint.integrity import checksums
 from nnxscale.checkpoint.buckets import REACH_SECONDS
-from nnxscale.model import Transformer
-from nnxscale.placement.rules import TP, strategy_mesh
-from nnxscale.train import adamw
 start = time.perf_counter()
 try:
     Checkpoints({saved["url"]!r})
@@ -389,7 +387,7 @@ def test_credentials_that_may_not_read_the_bucket_or_list_it_are_named(gcs, refu
     url = gcs("roles")
     bucket, path = url.removeprefix("gs://").split("/", 1)
     code = f"""
-from nnxscale.checkpoint import Checkpoints
+from nnxscale import Checkpoints
 try:
     Checkpoints({url!r})
 except Exception as error:

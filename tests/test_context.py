@@ -14,7 +14,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import nnxscale as nx
-from nnxscale import context, costs, layout
+from nnxscale import constraints, context, costs
 from nnxscale.analysis.hlo import collectives
 from nnxscale.evidence import memory as published
 from nnxscale.placement.mesh import make_mesh
@@ -308,29 +308,29 @@ def test_a_sequence_the_context_axis_cannot_split_is_named() -> None:
 def test_activation_constraints_apply_only_under_rules_and_outside_shard_map() -> None:
     mesh = nx.strategy_mesh(nx.CP)
     x = jnp.ones((2, 16, 8))
-    assert layout.constrain(x, ("batch", "length", "embed")) is x
-    with nx.layout.activation_rules(nx.CP, mesh):
-        spec, _ = layout.activation_spec(x.shape, ("batch", "length", "unknown"))
+    assert constraints.constrain(x, ("batch", "length", "embed")) is x
+    with nx.constraints.activation_rules(nx.CP, mesh):
+        spec, _ = constraints.activation_spec(x.shape, ("batch", "length", "unknown"))
         assert spec == P("data", "context", None)
-        assert layout.activation_axis("length") == ("context", 8)
-        assert layout.activation_axis("embed") is None
+        assert constraints.activation_axis("length") == ("context", 8)
+        assert constraints.activation_axis("embed") is None
 
         def body(x):
-            assert layout.activation_spec(x.shape, ("batch", "length", "embed")) is None
+            assert constraints.activation_spec(x.shape, ("batch", "length", "embed")) is None
             return x
 
         jax.shard_map(body, mesh=mesh, in_specs=P(), out_specs=P())(x)
-        with nx.layout.activation_rules(None):
-            assert layout.constrain(x, ("batch", "length", "embed")) is x
+        with nx.constraints.activation_rules(None):
+            assert constraints.constrain(x, ("batch", "length", "embed")) is x
 
 
 def test_a_table_read_beside_the_batch_stays_off_the_batch_axes() -> None:
     table, beside = (128, 64), ((16, "batch"),)
-    with nx.layout.activation_rules(nx.FSDP, nx.strategy_mesh(nx.FSDP)):
-        assert layout.activation_spec(table, ("vocab", None))[0] == P("data", None)
-        assert layout.activation_spec(table, ("vocab", None), beside)[0] == P(None, None)
-    with nx.layout.activation_rules(nx.FSDP_TP, nx.strategy_mesh(nx.FSDP_TP)):
-        assert layout.activation_spec(table, ("vocab", None), beside)[0] == P("model", None)
+    with nx.constraints.activation_rules(nx.FSDP, nx.strategy_mesh(nx.FSDP)):
+        assert constraints.activation_spec(table, ("vocab", None))[0] == P("data", None)
+        assert constraints.activation_spec(table, ("vocab", None), beside)[0] == P(None, None)
+    with nx.constraints.activation_rules(nx.FSDP_TP, nx.strategy_mesh(nx.FSDP_TP)):
+        assert constraints.activation_spec(table, ("vocab", None), beside)[0] == P("model", None)
 
 
 @pytest.mark.slow

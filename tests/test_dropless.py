@@ -200,7 +200,7 @@ def ep_case(shape: tuple[int, int], explicit: bool = True):
     """A dropless layer of 8 experts, 8 sequences of 12 tokens split over a data x expert
     mesh, and the layer's loss (sum of squares plus the balance loss) by expert parallelism."""
     import nnxscale as nx
-    from nnxscale.placement.layout import activation_rules
+    from nnxscale.placement.constraints import activation_rules
 
     kind = jax.sharding.AxisType.Explicit if explicit else jax.sharding.AxisType.Auto
     mesh = jax.make_mesh(shape, ("data", "expert"), axis_types=(kind, kind))
@@ -274,7 +274,7 @@ def test_the_receiver_reads_each_rows_expert_off_the_counts() -> None:
 
 def test_an_expert_count_or_a_split_the_exchange_cannot_take_is_refused() -> None:
     import nnxscale as nx
-    from nnxscale.placement.layout import activation_rules
+    from nnxscale.placement.constraints import activation_rules
 
     mesh, x, w, _ = ep_case((1, 8))
     with activation_rules(nx.EP, mesh), pytest.raises(moe.MoEError, match="cannot be split evenly"):
@@ -330,7 +330,7 @@ def biased_loss(x, bias, *w):
 
 def test_the_bias_gradient_is_the_load_of_every_group_on_one_device_and_under_ep() -> None:
     import nnxscale as nx
-    from nnxscale.placement.layout import activation_rules
+    from nnxscale.placement.constraints import activation_rules
 
     mesh, x, w, _ = ep_case((2, 4))
     bias = jnp.linspace(-0.1, 0.1, 8)

@@ -208,7 +208,7 @@ def test_token_axes_are_those_of_the_batch_and_the_sequence() -> None:
 def test_a_weight_is_read_gathered_over_the_token_axes_only() -> None:
     from jax.sharding import AbstractMesh, AxisType
 
-    from nnxscale.placement.layout import weight_axes
+    from nnxscale.placement.constraints import weight_axes
 
     mesh = AbstractMesh((4, 2), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
     names = ("embed", "heads", "head_dim")

@@ -22,14 +22,24 @@ from nnxscale.analysis import comm, hlo, program
 from nnxscale.analysis.hlo import collectives
 from nnxscale.checkpoint import integrity, multi
 from nnxscale.checkpoint.store import Checkpoints
-from nnxscale.core import memory, problems, show, trees
+from nnxscale.core import memory, problems, show, steered, trees
 from nnxscale.core.memory import CompiledMemory
 from nnxscale.costs import activations, calculator, formula, planner
 from nnxscale.costs.planner import plan
 from nnxscale.model import configs, context, dropless, growth, losses, moe, params
 from nnxscale.model.transformer import TINY, Config, Transformer, create
 from nnxscale.parallelism import fsdp, pipeline, schedules
-from nnxscale.placement import annotations, compiling, init, layout, mesh, naming, rounds, rules
+from nnxscale.placement import (
+    annotations,
+    compiling,
+    constraints,
+    init,
+    layout,
+    mesh,
+    naming,
+    rounds,
+    rules,
+)
 from nnxscale.placement.annotations import mesh_axis_rules
 from nnxscale.placement.init import abstract, init_sharded, shard
 from nnxscale.placement.layout import resolve
@@ -110,9 +120,10 @@ __all__ = [
 
 MODULES = (
     activations, agree, annotations, calculator, checkpoint, cli, comm, compiling, configs,
-    context, costs, data, devices, diagnose, dropless, environment, events, evidence, figures,
-    formula, fsdp, growth, hlo, init, integrity, launch, layout, losses, machine, memory, mesh,
-    model, moe, multi, naming, overlap, params, pipeline, planner, preemption, problems,
-    profiles, program, rounds, rules, schedules, show, train, trees,
+    constraints, context, costs, data, devices, diagnose, dropless, environment, events,
+    evidence, figures, formula, fsdp, growth, hlo, init, integrity, launch, layout, losses,
+    machine, memory, mesh, model, moe, multi, naming, overlap, params, pipeline, planner,
+    preemption, problems, profiles, program, rounds, rules, schedules, show, steered, train,
+    trees,
 )  # fmt: skip
 """The modules, each reached as `nx.<module>`: the rest of the library, spelled with its home."""

@@ -8,42 +8,27 @@ import dataclasses
 import json
 import re
 import time
-from pathlib import Path
 from typing import Any
 
 import jax
 import numpy as np
-import orbax.checkpoint as ocp
-import tensorstore as ts
 from flax import nnx
 
-from nnxscale.checkpoint.buckets import (
-    files_under,
-    is_url,
-    kvstore_url,
-    partial_steps,
-    refresh,
-)
 from nnxscale.checkpoint.errors import (
     CheckpointMismatchError,
     CorruptCheckpointError,
-    NoCheckpointError,
 )
 from nnxscale.checkpoint.integrity import (
-    LOCK_FILE,
-    RUN_FILE,
     SCHEME,
     checksums,
-    directory_run,
     leaves_of,
     seal,
 )
 from nnxscale.core.show import table
 from nnxscale.core.trees import is_key
-from nnxscale.model.transformer import Config
 from nnxscale.runtime.environment import versions
 from nnxscale.train.data import Batches
-from nnxscale.train.state import TrainOptions, describe_optimizer
+from nnxscale.train.state import TrainOptions, config_words, describe_optimizer, model_config
 from nnxscale.train.trainer import Trainer
 
 FALL_BACK = "restore() without a step falls back to the newest step that verifies."
@@ -76,6 +61,8 @@ class Record:
     """How the checksums were computed (`integrity.SCHEME`)."""
     optimizer: dict[str, list] | None = None
     """What tells the optimizer that trained apart from others (`describe_optimizer`)."""
+    described: str | None = None
+    """The model's configuration in words (`config_words`), as the record shows it."""
 
     @property
     def devices(self) -> int:
@@ -83,14 +70,8 @@ class Record:
         return int(np.prod(list(self.mesh.values())))
 
     def _repr_markdown_(self) -> str:
-        default = dataclasses.asdict(Config())
-        if self.config is None:
-            model = "not recorded"
-        elif set(self.config) == set(default):  # the book's Transformer
-            changed = {k: v for k, v in self.config.items() if default[k] != v}
-            model = f"Config() with {changed}" if changed else "Config() (the defaults)"
-        else:
-            model = json.dumps(self.config)
+        recorded = self.described or json.dumps(self.config)
+        model = "not recorded" if self.config is None else recorded
         logical = ", ".join(
             f"{name}: {'+'.join(map(str, axes)) or 'replicated'}"
             for name, axes in self.rules["logical"].items()
@@ -187,6 +168,9 @@ def record_of(trainer: Trainer, data: Batches | None, saved: Any) -> Record:
         run=trainer.run,
         checksum_scheme=SCHEME,
         optimizer=describe_optimizer(state.optimizer.tx, nnx.state(state.model, nnx.Param)),
+        described=config_words(state.model)
+        if trainer.config == model_config(state.model)
+        else None,
         arrays={
             path: [list(shape), dtype, sums[path]]
             for path, (shape, dtype) in array_index(saved).items()
@@ -194,7 +178,7 @@ def record_of(trainer: Trainer, data: Batches | None, saved: Any) -> Record:
     )
 
 
-def _stored(shape: tuple[int, ...], dtype: Any) -> tuple[tuple[int, ...], str]:
+def stored_as(shape: tuple[int, ...], dtype: Any) -> tuple[tuple[int, ...], str]:
     """Shape and dtype as Orbax stores an array: random keys as their uint32 key data."""
     if is_key(jax.ShapeDtypeStruct(shape, dtype)):
         data = jax.eval_shape(jax.random.key_data, jax.ShapeDtypeStruct(shape, dtype))
@@ -204,7 +188,7 @@ def _stored(shape: tuple[int, ...], dtype: Any) -> tuple[tuple[int, ...], str]:
 
 def array_index(tree: Any) -> dict[str, tuple[tuple[int, ...], str]]:
     """Path -> (shape, dtype) as Orbax stores them, for a state or an abstract state."""
-    return {path: _stored(tuple(leaf.shape), leaf.dtype) for path, leaf in leaves_of(tree)}
+    return {path: stored_as(tuple(leaf.shape), leaf.dtype) for path, leaf in leaves_of(tree)}
 
 
 def listing(items: list[str], limit: int = 6) -> str:
@@ -303,116 +287,3 @@ def file_role(path: str) -> str:
         if re.search(pattern, path):
             return role
     return "other"
-
-
-class Stored:
-    """The steps a checkpoint directory holds, read: their records, arrays, chunks and files.
-    (`Checkpoints` opens the directory and sets what this reads: `directory`, `manager`.)"""
-
-    directory: Path
-    manager: ocp.CheckpointManager
-
-    def steps(self) -> list[int]:
-        """Steps of the complete checkpoints, oldest first (unfinished saves are not steps)."""
-        refresh(self.directory)
-        self.manager.reload()
-        return sorted(self.manager.all_steps())
-
-    def partial(self) -> list[str]:
-        """Names of unfinished saves in the directory, such as one cut short by a crash.
-
-        Restores ignore them. Opening the directory to save (`create=True`) lists them in
-        `discarded`, and Orbax deletes them before the next save begins. On a file system they
-        have Orbax's temporary names; on GCS, their step's name without the commit marker.
-        """
-        if is_url(self.directory):
-            return partial_steps(self.directory)
-        return sorted(p.name for p in self.directory.glob(f"*{PARTIAL}"))
-
-    def _step(self, step: int | None) -> int:
-        if step is not None and (isinstance(step, bool) or not isinstance(step, int | np.integer)):
-            raise TypeError(f"step={step!r}: a checkpoint's step is a whole number, or None")
-        steps = self.steps()
-        if step is None and steps:
-            return steps[-1]
-        if step in steps:
-            return step
-        contents = sorted(
-            p.name for p in self.directory.iterdir() if p.name not in (LOCK_FILE, RUN_FILE)
-        )
-        found = f"it holds {listing(contents)}" if contents else "it is empty"
-        wanted = "complete checkpoint" if step is None else f"checkpoint of step {step}"
-        unfinished = " (unfinished saves are ignored)" if self.partial() else ""
-        raise NoCheckpointError(
-            f"{self.directory} holds no {wanted}: {found}{unfinished}. Complete checkpoints: "
-            f"{steps or 'none'}. Check the path, or save a checkpoint first."
-        )
-
-    def record(self, step: int | None = None) -> Record:
-        """The record of the checkpoint of `step` (default: the latest)."""
-        step = self._step(step)
-        try:
-            meta = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))[
-                "meta"
-            ]
-        except Exception as error:
-            raise CorruptCheckpointError(
-                f"the record of step {step} (meta/metadata) cannot be read ({error_text(error)}): "
-                "the step is damaged, or was not written by nnxscale's Checkpoints. " + FALL_BACK
-            ) from error
-        if not isinstance(meta, dict):
-            raise CorruptCheckpointError(
-                f"the record of step {step} holds a {type(meta).__name__}, not a record: the "
-                "step is damaged, or was not written by nnxscale's Checkpoints. " + FALL_BACK
-            )
-        record = record_from(meta, step)
-        try:
-            owner = directory_run(self.directory)
-        except ValueError as error:
-            raise CorruptCheckpointError(str(error)) from None
-        if record.step != step:
-            raise CorruptCheckpointError(
-                f"the directory {self.directory / str(step)} holds the checkpoint of step "
-                f"{record.step}: it was renamed, or copied over another step. Give it back "
-                f"its name ({record.step}). " + FALL_BACK
-            )
-        if owner is not None and record.run != owner:
-            raise CorruptCheckpointError(
-                f"step {step} was saved by run {str(record.run)[:8]}, and {self.directory} "
-                f"holds the checkpoints of run {owner[:8]}: it was copied in from another run, "
-                "whose weights it holds. Restore it from that run's directory. " + FALL_BACK
-            )
-        return record
-
-    def _stored_tree(self, step: int | None) -> dict[str, Any]:
-        """Path -> Orbax's metadata of each saved array (each NNX variable is {"value": ...})."""
-        tree = self.manager.item_metadata(self._step(step))["state"].tree
-        return {path.removesuffix("/value"): leaf for path, leaf in leaves_of(tree)}
-
-    def saved_arrays(self, step: int | None = None) -> dict[str, tuple[tuple[int, ...], str]]:
-        """Path -> (shape, dtype) of every array in the checkpoint of `step`, from its metadata."""
-        return {
-            path: _stored(tuple(meta.shape), meta.dtype)
-            for path, meta in self._stored_tree(step).items()
-        }
-
-    def chunks(self, step: int | None = None) -> dict[str, tuple[int, ...]]:
-        """Path -> shape of the chunks each array was written in (one per shard held)."""
-        return {
-            path: tuple(meta.storage.chunk_shape) for path, meta in self._stored_tree(step).items()
-        }
-
-    def stored_values(self, step: int | None = None) -> dict[str, int]:
-        """Key -> bytes of every value in the checkpoint's array store (OCDBT, via TensorStore).
-
-        Keys are `<array>/<chunk index>` for the compressed chunks and `<array>/.zarray` for
-        each array's Zarr metadata; the rest of the `state/` files is the store's index.
-        """
-        root = self.directory / str(self._step(step)) / "state"
-        store = ts.KvStore.open({"driver": "ocdbt", "base": kvstore_url(root)}).result()
-        return {key.decode(): len(store.read(key).result().value) for key in store.list().result()}
-
-    def files(self, step: int | None = None) -> list[tuple[str, int, str]]:
-        """(path in the step directory, bytes, what it holds) of every file of a checkpoint."""
-        found = files_under(self.directory / str(self._step(step)))
-        return [(path, size, file_role(path)) for path, size in sorted(found)]

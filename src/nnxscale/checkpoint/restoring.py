@@ -1,6 +1,6 @@
 """Restoring onto any mesh and rule set: the abstract target a step is read into, each
-device reading its shards, verified by checksums; `Restorer` falls back to the newest step
-that verifies."""
+device reading its shards, verified by checksums, falling back to the newest step that
+verifies. Functions of a directory's read-only view (`Stored`), which `Checkpoints` holds."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import itertools
 import json
 import warnings
 from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from typing import Any
 
 import jax
 import numpy as np
@@ -29,7 +29,6 @@ from nnxscale.checkpoint.integrity import (
 from nnxscale.checkpoint.records import (
     FALL_BACK,
     Record,
-    Stored,
     array_index,
     check_data,
     check_matches,
@@ -37,6 +36,7 @@ from nnxscale.checkpoint.records import (
     listing,
     restored_options,
 )
+from nnxscale.checkpoint.stored import Stored
 from nnxscale.core.trees import shapes_of, stand_in
 from nnxscale.placement.init import abstract
 from nnxscale.placement.layout import Layout, resolve
@@ -52,8 +52,6 @@ from nnxscale.train.state import (
     model_config,
 )
 from nnxscale.train.trainer import Trainer
-
-T = TypeVar("T")
 
 
 def state_to_restore(
@@ -172,190 +170,195 @@ def chunks_read(
     return list(itertools.product(*spans))
 
 
-class Restorer(Stored):
-    """Restores of a directory's steps onto any mesh and rule set, each verified by its
-    checksums, falling back to the newest step that verifies (`skipped` says why)."""
-
-    skipped: dict[int, str]
-
-    def restore_state(
-        self,
-        values: nnx.State,
-        layout: Layout,
-        step: int | None = None,
-        checks: Callable[[], None] | None = None,
-    ) -> nnx.State:
-        """The saved state of `step`, for a state shaped like `values`, laid out by `layout`,
-        verified against the checksums saved with it: read as the plain stacks the checkpoint
-        holds (each device its shards), then held in the rounds `values` holds its layers in.
-        Raises CorruptCheckpointError for a step that does not hold what was saved, and
-        CheckpointMismatchError, naming the arrays, when `values` is shaped otherwise; then
-        runs `checks` (of the optimizer, the configuration), before any array is read."""
-        record = self.record(step)
-        step = record.step
-        if record.checksum_scheme != SCHEME:
-            raise CheckpointMismatchError(
-                f"the checksums of step {step} were computed as {record.checksum_scheme!r}, "
-                f"and this nnxscale computes them as {SCHEME!r}: restore it with the nnxscale "
-                "that wrote it."
-            )
-        recorded = self._recorded_arrays(record)
-        shapes = shapes_of(values)
-        rounds, plain = layer_rounds(shapes), group_layers(shapes, 1)
-        check_matches(recorded, array_index(plain), f"checkpoint {step}")
-        if checks is not None:
-            checks()
-        read = layout if rounds == 1 else resolve(plain, layout.rules, layout.mesh)
-        target = restore_target(plain, read.shardings())
-        try:
-            state = self.manager.restore(
-                step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target))
-            )["state"]
-        except Exception as error:
-            raise CorruptCheckpointError(
-                f"the arrays of step {step} cannot be read ({error_text(error)}): a file of its "
-                "state/ is damaged or missing. " + FALL_BACK
-            ) from error
-        sums = checksums(state)
-        wrong = sorted(path for path, saved in record.arrays.items() if sums[path] != saved[2])
-        if wrong:
-            raise CorruptCheckpointError(
-                f"{len(wrong)} arrays of step {step} do not hold what was saved (their "
-                f"checksums differ): {listing(wrong)}. A file of the step is damaged: a "
-                "flipped bit, a truncated or replaced chunk. " + FALL_BACK
-            )
-        return state if rounds == 1 else held_in(state, rounds, layout)
-
-    def _recorded_arrays(self, record: Record) -> dict[str, tuple[tuple[int, ...], str]]:
-        """Path -> (shape, dtype) of the arrays `record` lists, once the step's own array
-        metadata is found to list the same (CorruptCheckpointError if not)."""
-        step = record.step
-        recorded = {p: (tuple(a[0]), a[1]) for p, a in (record.arrays or {}).items()}
-        try:
-            stored = self.saved_arrays(step)
-        except Exception as error:
-            raise CorruptCheckpointError(
-                f"the array metadata of step {step} (state/_METADATA) cannot be read "
-                f"({error_text(error)}): the step is damaged or incomplete. " + FALL_BACK
-            ) from error
-        if stored != recorded:
-            raise CorruptCheckpointError(
-                f"the array metadata of step {step} (state/_METADATA) disagrees with the arrays "
-                f"its record lists ({len(set(stored) ^ set(recorded))} paths differ, "
-                f"{sum(stored[p] != recorded[p] for p in set(stored) & set(recorded))} shapes "
-                "or dtypes): the step is damaged. " + FALL_BACK
-            )
-        return recorded
-
-    def _newest_verified(self, step: int | None, restore: Callable[[int], T]) -> T:
-        """`restore(step)`; without a step, `restore` of the newest step that verifies, warning
-        of the newer ones it passed over and why (`skipped`)."""
-        if step is not None:
-            return restore(self._step(step))
-        self.skipped = {}
-        for candidate in reversed(self.steps() or [self._step(None)]):
-            try:
-                restored = restore(candidate)
-            except CorruptCheckpointError as error:
-                self.skipped[candidate] = str(error)
-                continue
-            if self.skipped:
-                reasons = "; ".join(f"step {s}: {why}" for s, why in self.skipped.items())
-                warnings.warn(
-                    f"restored step {candidate} of {self.directory}, passing over steps "
-                    f"{list(self.skipped)}, which do not verify. {reasons}",
-                    SkippedCheckpointWarning,
-                    stacklevel=3,
-                )
-            return restored
+def restore_state(
+    stored: Stored,
+    values: nnx.State,
+    layout: Layout,
+    step: int | None = None,
+    checks: Callable[[], None] | None = None,
+) -> nnx.State:
+    """The saved state of `step`, for a state shaped like `values`, laid out by `layout`,
+    verified against the checksums saved with it: read as the plain stacks the checkpoint
+    holds (each device its shards), then held in the rounds `values` holds its layers in.
+    Raises CorruptCheckpointError for a step that does not hold what was saved, and
+    CheckpointMismatchError, naming the arrays, when `values` is shaped otherwise; then
+    runs `checks` (of the optimizer, the configuration), before any array is read."""
+    record = stored.record(step)
+    step = record.step
+    if record.checksum_scheme != SCHEME:
+        raise CheckpointMismatchError(
+            f"the checksums of step {step} were computed as {record.checksum_scheme!r}, "
+            f"and this nnxscale computes them as {SCHEME!r}: restore it with the nnxscale "
+            "that wrote it."
+        )
+    recorded = recorded_arrays(stored, record)
+    shapes = shapes_of(values)
+    rounds, plain = layer_rounds(shapes), group_layers(shapes, 1)
+    check_matches(recorded, array_index(plain), f"checkpoint {step}")
+    if checks is not None:
+        checks()
+    read = layout if rounds == 1 else resolve(plain, layout.rules, layout.mesh)
+    target = restore_target(plain, read.shardings())
+    try:
+        state = stored.manager.restore(
+            step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target))
+        )["state"]
+    except Exception as error:
         raise CorruptCheckpointError(
-            f"no checkpoint in {self.directory} verifies: "
-            + "; ".join(f"step {s}: {why}" for s, why in self.skipped.items())
+            f"the arrays of step {step} cannot be read ({error_text(error)}): a file of its "
+            "state/ is damaged or missing. " + FALL_BACK
+        ) from error
+    sums = checksums(state)
+    wrong = sorted(path for path, saved in record.arrays.items() if sums[path] != saved[2])
+    if wrong:
+        raise CorruptCheckpointError(
+            f"{len(wrong)} arrays of step {step} do not hold what was saved (their "
+            f"checksums differ): {listing(wrong)}. A file of the step is damaged: a "
+            "flipped bit, a truncated or replaced chunk. " + FALL_BACK
+        )
+    return state if rounds == 1 else held_in(state, rounds, layout)
+
+
+def recorded_arrays(stored: Stored, record: Record) -> dict[str, tuple[tuple[int, ...], str]]:
+    """Path -> (shape, dtype) of the arrays `record` lists, once the step's own array
+    metadata is found to list the same (CorruptCheckpointError if not)."""
+    step = record.step
+    recorded = {p: (tuple(a[0]), a[1]) for p, a in (record.arrays or {}).items()}
+    try:
+        saved = stored.saved_arrays(step)
+    except Exception as error:
+        raise CorruptCheckpointError(
+            f"the array metadata of step {step} (state/_METADATA) cannot be read "
+            f"({error_text(error)}): the step is damaged or incomplete. " + FALL_BACK
+        ) from error
+    if saved != recorded:
+        raise CorruptCheckpointError(
+            f"the array metadata of step {step} (state/_METADATA) disagrees with the arrays "
+            f"its record lists ({len(set(saved) ^ set(recorded))} paths differ, "
+            f"{sum(saved[p] != recorded[p] for p in set(saved) & set(recorded))} shapes "
+            "or dtypes): the step is damaged. " + FALL_BACK
+        )
+    return recorded
+
+
+def newest_verified[T](
+    stored: Stored, step: int | None, restore: Callable[[int], T], skipped: dict[int, str]
+) -> T:
+    """`restore(step)`; without a step, `restore` of the newest step that verifies, warning
+    of the newer ones it passed over and why, which it also writes in `skipped`."""
+    if step is not None:
+        return restore(stored.find(step))
+    skipped.clear()
+    for candidate in reversed(stored.steps() or [stored.find(None)]):
+        try:
+            restored = restore(candidate)
+        except CorruptCheckpointError as error:
+            skipped[candidate] = str(error)
+            continue
+        if skipped:
+            reasons = "; ".join(f"step {s}: {why}" for s, why in skipped.items())
+            warnings.warn(
+                f"restored step {candidate} of {stored.directory}, passing over steps "
+                f"{list(skipped)}, which do not verify. {reasons}",
+                SkippedCheckpointWarning,
+                stacklevel=4,
+            )
+        return restored
+    raise CorruptCheckpointError(
+        f"no checkpoint in {stored.directory} verifies: "
+        + "; ".join(f"step {s}: {why}" for s, why in skipped.items())
+    )
+
+
+def restore(
+    stored: Stored,
+    model: nnx.Module | Callable[[dict[str, Any] | None], nnx.Module],
+    tx: optax.GradientTransformation,
+    rules: Rules,
+    mesh: Mesh,
+    options: TrainOptions | None = None,
+    *,
+    step: int | None = None,
+    data: Batches | None = None,
+    other_optimizer: bool = False,
+    other_config: bool = False,
+    skipped: dict[int, str] | None = None,
+    **changes: Any,
+) -> Trainer:
+    """A trainer resumed from the checkpoint of `step`, laid out by `rules` on `mesh`.
+
+    Without `step`, the newest checkpoint that verifies: newer ones that are damaged, or
+    copied in from another run, are passed over with a SkippedCheckpointWarning naming
+    them and why (also in `skipped`). `model` gives the model's structure: a module
+    (concrete or abstract, only its shapes are used) or a function that builds one from
+    the configuration the checkpoint recorded (`Transformer.from_config` for the book's).
+    `tx` must have the structure of the optimizer that saved it; the EMA decay comes from
+    the record. The training options are the saved run's (`Record.options`) unless
+    `options` are given, with `changes`; a `loss_fn` or `grads_fn` of the run's own must
+    be given again (functions are not recorded). With `data`, check that it is the data
+    the run was trained on, so training continues with the very next batch. Every device
+    reads only its shards, straight from the files; the resumed trainer continues the
+    saved run (`Trainer.run`). An optimizer other than the run's, or with other settings,
+    is refused (CheckpointMismatchError) unless `other_optimizer=True`; so is a `model`
+    whose configuration differs from the recorded one, unless `other_config=True` (the
+    trainer then records the model's own). The steps passed over, and why, are written in
+    `skipped`.
+    """
+
+    check_optimizer(tx)
+    check_target(model, rules, mesh)
+
+    def restore_step(at: int) -> Trainer:
+        record = stored.record(at)
+        if data is not None:
+            check_data(record, data)
+        trained = restored_options(record, options, changes)
+        graphdef, values = nnx.split(abstract(lambda: state_to_restore(record, model, tx)))
+        layout = resolve(values, rules, mesh)
+        built = nnx.merge(graphdef, values).model  # abstract: no array read yet
+        config: dict[str, Any] = {}
+
+        def checks() -> None:  # after the arrays that differ, before any is read
+            check_same_optimizer(record, tx, nnx.state(built, nnx.Param), other_optimizer)
+            config["trained"] = trained_config(record, built, other_config)
+
+        state = restore_state(stored, values, layout, at, checks)
+        return Trainer.from_layout(
+            graphdef, state, layout, trained, config=config["trained"], run=record.run
         )
 
-    def restore(
-        self,
-        model: nnx.Module | Callable[[dict[str, Any] | None], nnx.Module],
-        tx: optax.GradientTransformation,
-        rules: Rules,
-        mesh: Mesh,
-        options: TrainOptions | None = None,
-        *,
-        step: int | None = None,
-        data: Batches | None = None,
-        other_optimizer: bool = False,
-        other_config: bool = False,
-        **changes: Any,
-    ) -> Trainer:
-        """A trainer resumed from the checkpoint of `step`, laid out by `rules` on `mesh`.
+    return newest_verified(stored, step, restore_step, {} if skipped is None else skipped)
 
-        Without `step`, the newest checkpoint that verifies: newer ones that are damaged, or
-        copied in from another run, are passed over with a SkippedCheckpointWarning naming
-        them and why (also in `skipped`). `model` gives the model's structure: a module
-        (concrete or abstract, only its shapes are used) or a function that builds one from
-        the configuration the checkpoint recorded (`Transformer.from_config` for the book's).
-        `tx` must have the structure of the optimizer that saved it; the EMA decay comes from
-        the record. The training options are the saved run's (`Record.options`) unless
-        `options` are given, with `changes`; a `loss_fn` or `grads_fn` of the run's own must
-        be given again (functions are not recorded). With `data`, check that it is the data
-        the run was trained on, so training continues with the very next batch. Every device
-        reads only its shards, straight from the files; the resumed trainer continues the
-        saved run (`Trainer.run`). An optimizer other than the run's, or with other settings,
-        is refused (CheckpointMismatchError) unless `other_optimizer=True`; so is a `model`
-        whose configuration differs from the recorded one, unless `other_config=True` (the
-        trainer then records the model's own).
-        """
 
-        check_optimizer(tx)
-        check_target(model, rules, mesh)
+def restore_into(
+    stored: Stored,
+    trainer: Trainer,
+    step: int | None = None,
+    data: Batches | None = None,
+    *,
+    other_optimizer: bool = False,
+    skipped: dict[int, str] | None = None,
+) -> Trainer:
+    """Put the checkpoint of `step` (default: the newest that verifies) into `trainer`'s
+    state, in its layout; reuses its step, and continues the saved run. A trainer whose
+    optimizer differs from the run's is refused unless `other_optimizer=True`. The steps passed
+    over, and why, are written in `skipped`."""
+    tx = nnx.merge(trainer.graphdef, trainer.state).optimizer.tx
 
-        def restore_step(at: int) -> Trainer:
-            record = self.record(at)
-            if data is not None:
-                check_data(record, data)
-            trained = restored_options(record, options, changes)
-            graphdef, values = nnx.split(abstract(lambda: state_to_restore(record, model, tx)))
-            layout = resolve(values, rules, mesh)
-            built = nnx.merge(graphdef, values).model  # abstract: no array read yet
-            config: dict[str, Any] = {}
+    def restore_step(at: int) -> Trainer:
+        record = stored.record(at)
+        if data is not None:
+            check_data(record, data)
+        params = nnx.state(nnx.merge(trainer.graphdef, trainer.state).model, nnx.Param)
+        restored = restore_state(
+            stored,
+            trainer.state,
+            trainer.layout,
+            at,
+            lambda: check_same_optimizer(record, tx, params, other_optimizer),
+        )
+        trainer.state = restored
+        trainer.run = record.run or trainer.run
+        return trainer
 
-            def checks() -> None:  # after the arrays that differ, before any is read
-                check_same_optimizer(record, tx, nnx.state(built, nnx.Param), other_optimizer)
-                config["trained"] = trained_config(record, built, other_config)
-
-            state = self.restore_state(values, layout, at, checks)
-            return Trainer.from_layout(
-                graphdef, state, layout, trained, config=config["trained"], run=record.run
-            )
-
-        return self._newest_verified(step, restore_step)
-
-    def restore_into(
-        self,
-        trainer: Trainer,
-        step: int | None = None,
-        data: Batches | None = None,
-        *,
-        other_optimizer: bool = False,
-    ) -> Trainer:
-        """Put the checkpoint of `step` (default: the newest that verifies) into `trainer`'s
-        state, in its layout; reuses its step, and continues the saved run. A trainer whose
-        optimizer differs from the run's is refused unless `other_optimizer=True`."""
-        tx = nnx.merge(trainer.graphdef, trainer.state).optimizer.tx
-
-        def restore_step(at: int) -> Trainer:
-            record = self.record(at)
-            if data is not None:
-                check_data(record, data)
-            params = nnx.state(nnx.merge(trainer.graphdef, trainer.state).model, nnx.Param)
-            restored = self.restore_state(
-                trainer.state,
-                trainer.layout,
-                at,
-                lambda: check_same_optimizer(record, tx, params, other_optimizer),
-            )
-            trainer.state = restored
-            trainer.run = record.run or trainer.run
-            return trainer
-
-        return self._newest_verified(step, restore_step)
+    return newest_verified(stored, step, restore_step, {} if skipped is None else skipped)

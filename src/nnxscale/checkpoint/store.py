@@ -13,13 +13,16 @@ import types
 import weakref
 from collections.abc import Callable
 from pathlib import Path
-from typing import TypeVar
+from typing import Any
 
 import jax
 import numpy as np
+import optax
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
+from jax.sharding import Mesh
 
+from nnxscale.checkpoint import restoring
 from nnxscale.checkpoint.buckets import (
     Location,
     MarkerLock,
@@ -41,15 +44,17 @@ from nnxscale.checkpoint.integrity import (
     directory_run,
 )
 from nnxscale.checkpoint.records import (
+    Record,
     record_of,
     sealed,
 )
-from nnxscale.checkpoint.restoring import Restorer
+from nnxscale.checkpoint.stored import Stored, partial_saves
+from nnxscale.placement.layout import Layout
 from nnxscale.placement.rounds import held_in, layer_rounds
+from nnxscale.placement.rules import Rules
 from nnxscale.train.data import Batches
+from nnxscale.train.state import TrainOptions
 from nnxscale.train.trainer import Trainer
-
-T = TypeVar("T")
 
 
 @dataclasses.dataclass
@@ -165,9 +170,13 @@ def together(error: BaseException | None, what: str) -> None:
         raise error
 
 
-class Checkpoints(Restorer):
+class Checkpoints:
     """A directory of train-state checkpoints, a local path or a `gs://` URL, managed by Orbax:
-    async saves, the last k kept, every step verified when read, one writer at a time."""
+    async saves, the last k kept, every step verified when read, one writer at a time.
+
+    The writer's policy (its lock, the steps kept, asynchronous saves, the verified fallback
+    of restores) over a read-only view of the directory, `stored` (`Stored`), which its reads
+    and restores consult (`nnxscale.checkpoint.restoring`)."""
 
     def __init__(
         self,
@@ -191,9 +200,11 @@ class Checkpoints(Restorer):
             error = failed
         try:
             together(error, f"open {self.directory}")
-            self.discarded = self.partial() if create else []
+            self.discarded = partial_saves(self.directory) if create else []
             written = self._written if asynchronous else None
-            self.manager = orbax_manager(self.directory, keep, create, written)
+            self.stored = Stored(
+                self.directory, orbax_manager(self.directory, keep, create, written)
+            )
         except BaseException:
             if self.lock is not None:  # a directory this writer never opened stays free
                 self.lock.release()
@@ -228,6 +239,90 @@ class Checkpoints(Restorer):
             if jax.process_index() == 0:
                 self.lock = (MarkerLock if url else WriterLock)(self.directory, LOCK_FILE)
 
+    def steps(self) -> list[int]:
+        """Steps of the complete checkpoints, oldest first (`Stored.steps`)."""
+        return self.stored.steps()
+
+    def partial(self) -> list[str]:
+        """Names of unfinished saves in the directory, which restores ignore (`Stored.partial`)."""
+        return self.stored.partial()
+
+    def find(self, step: int | None) -> int:
+        """`step`, or the newest complete step when None, once found here (`Stored.find`)."""
+        return self.stored.find(step)
+
+    def record(self, step: int | None = None) -> Record:
+        """The record of the checkpoint of `step` (default: the latest; `Stored.record`)."""
+        return self.stored.record(step)
+
+    def saved_arrays(self, step: int | None = None) -> dict[str, tuple[tuple[int, ...], str]]:
+        """Path -> (shape, dtype) of every array of `step` (`Stored.saved_arrays`)."""
+        return self.stored.saved_arrays(step)
+
+    def chunks(self, step: int | None = None) -> dict[str, tuple[int, ...]]:
+        """Path -> shape of the chunks each array was written in (`Stored.chunks`)."""
+        return self.stored.chunks(step)
+
+    def stored_values(self, step: int | None = None) -> dict[str, int]:
+        """Key -> bytes of every value in the step's array store (`Stored.stored_values`)."""
+        return self.stored.stored_values(step)
+
+    def files(self, step: int | None = None) -> list[tuple[str, int, str]]:
+        """(path, bytes, what it holds) of every file of a checkpoint (`Stored.files`)."""
+        return self.stored.files(step)
+
+    def restore_state(
+        self, values: Any, layout: Layout, step: int | None = None, checks: Any = None
+    ) -> Any:
+        """The verified saved state of `step`, laid out by `layout` (`restoring.restore_state`)."""
+        return restoring.restore_state(self.stored, values, layout, step, checks)
+
+    def restore(
+        self,
+        model: Any,
+        tx: optax.GradientTransformation,
+        rules: Rules,
+        mesh: Mesh,
+        options: TrainOptions | None = None,
+        *,
+        step: int | None = None,
+        data: Batches | None = None,
+        other_optimizer: bool = False,
+        other_config: bool = False,
+        **changes: Any,
+    ) -> Trainer:
+        """A trainer resumed from the checkpoint of `step` (default: the newest that verifies,
+        the steps passed over and why in `skipped`), laid out by `rules` on `mesh`: what
+        `nnxscale.checkpoint.restoring.restore` says, for this directory."""
+        return restoring.restore(
+            self.stored,
+            model,
+            tx,
+            rules,
+            mesh,
+            options,
+            step=step,
+            data=data,
+            other_optimizer=other_optimizer,
+            other_config=other_config,
+            skipped=self.skipped,
+            **changes,
+        )
+
+    def restore_into(
+        self,
+        trainer: Trainer,
+        step: int | None = None,
+        data: Batches | None = None,
+        *,
+        other_optimizer: bool = False,
+    ) -> Trainer:
+        """Put the checkpoint of `step` (default: the newest that verifies) into `trainer`'s
+        state, in its layout (`restoring.restore_into`, for this directory)."""
+        return restoring.restore_into(
+            self.stored, trainer, step, data, other_optimizer=other_optimizer, skipped=self.skipped
+        )
+
     def save(
         self, trainer: Trainer, data: Batches | None = None, *, overwrite: bool = False
     ) -> float:
@@ -257,7 +352,7 @@ class Checkpoints(Restorer):
         except Exception as failed:  # told to every process before Orbax's barriers
             error = failed
         together(error, f"claim {self.directory} for run {trainer.run[:8]}")
-        started = self.manager.save(
+        started = self.stored.manager.save(
             step,
             args=ocp.args.Composite(
                 state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(sealed(record))
@@ -286,7 +381,7 @@ class Checkpoints(Restorer):
     def _make_room(self, step: int, run: str, overwrite: bool) -> None:
         """Refuse a save Orbax would drop, or one that mixes two runs; with `overwrite`, delete
         the checkpoints in the way instead."""
-        steps = sorted(self.manager.all_steps())  # this writer's view: no reload mid-save
+        steps = sorted(self.stored.manager.all_steps())  # this writer's view: no reload mid-save
         owner = directory_run(self.directory) or self._recorded_run(steps)
         foreign = bool(steps) and owner is not None and owner != run
         later = [s for s in steps if s >= step]
@@ -308,7 +403,7 @@ class Checkpoints(Restorer):
         if doomed:
             self.wait()
             for old in doomed:
-                self.manager.delete(old)
+                self.stored.manager.delete(old)
 
     def _recorded_run(self, steps: list[int]) -> str | None:
         """The run of the newest readable step, for a directory that lost its run file."""
@@ -331,7 +426,7 @@ class Checkpoints(Restorer):
         failed in the background raises SaveError here, naming what was kept."""
         start = time.perf_counter()
         try:
-            self.manager.wait_until_finished()
+            self.stored.manager.wait_until_finished()
         except Exception as error:
             pending = sorted(step for step, t in self.times.items() if t.written is None)
             raise SaveError(
@@ -354,7 +449,7 @@ class Checkpoints(Restorer):
         finally:
             try:
                 with contextlib.suppress(Exception):  # the error, if any, is wait's
-                    self.manager.close()
+                    self.stored.manager.close()
             finally:
                 if self.lock is not None:
                     self.lock.release()

@@ -47,7 +47,7 @@ from nnxscale.costs.counts import mixture_problem
 from nnxscale.costs.formula import Formula
 from nnxscale.model.losses import next_token_loss
 from nnxscale.model.transformer import Config, create, remat_policy
-from nnxscale.placement.layout import activation_rules
+from nnxscale.placement.constraints import activation_rules
 from nnxscale.placement.rules import CONTEXT, CP, SP
 
 GROUPS = 43

@@ -16,8 +16,9 @@ from nnxscale.costs.counts import SIZES, STATE_BYTES
 from nnxscale.costs.formula import Formula
 from nnxscale.model.casting import CAST_WEIGHTS
 from nnxscale.model.transformer import Config, create
+from nnxscale.placement.constraints import ROUTED, activation_axes, weight_axes
 from nnxscale.placement.init import abstract
-from nnxscale.placement.layout import ROUTED, activation_axes, resolve, weight_axes
+from nnxscale.placement.layout import resolve
 from nnxscale.placement.rules import RuleError, Rules
 
 

@@ -49,7 +49,7 @@ from nnxscale.costs.moves import (
     tensor_all_reduces,
 )
 from nnxscale.model.transformer import remat_policy
-from nnxscale.placement.layout import ROUTED
+from nnxscale.placement.constraints import ROUTED
 from nnxscale.placement.rules import Rules
 
 

@@ -32,7 +32,7 @@ from nnxscale.costs.activations import DROPLESS
 from nnxscale.costs.arrays import PlacedArray, per_micro_batch, split_by, split_kept
 from nnxscale.costs.counts import DTYPE_BYTES, STATE_BYTES
 from nnxscale.costs.formula import Formula
-from nnxscale.placement.layout import ROUTED
+from nnxscale.placement.constraints import ROUTED
 from nnxscale.placement.rules import Rules
 
 

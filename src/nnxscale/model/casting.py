@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import NamedSharding
 
-from nnxscale.placement.layout import weight_layout
+from nnxscale.placement.constraints import weight_layout
 from nnxscale.placement.mesh import axis_kind, constrain_to
 from nnxscale.placement.rounds import names_of
 

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from nnxscale.placement.layout import activation_axis
+from nnxscale.placement.constraints import activation_axis
 from nnxscale.placement.mesh import make_mesh
 
 LAYOUTS = ("contiguous", "zigzag")

@@ -20,7 +20,7 @@ from flax import nnx
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from nnxscale.placement.layout import activation_axis, constrain
+from nnxscale.placement.constraints import activation_axis, constrain
 
 GROUPS = ("batch", None, None, None)
 """The same slots placed with their groups of tokens (where the dispatch computes them)."""

@@ -32,7 +32,7 @@ from nnxscale.model.context import (
 from nnxscale.model.dropless import Dropless, Routed
 from nnxscale.model.losses import cross_entropy
 from nnxscale.model.moe import MoE, Routing
-from nnxscale.placement.layout import (
+from nnxscale.placement.constraints import (
     activation_spec,
     alongside,
     constrain,

@@ -14,7 +14,8 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from nnxscale.core.trees import check_alive
-from nnxscale.placement.layout import Layout, activation_rules
+from nnxscale.placement.constraints import activation_rules
+from nnxscale.placement.layout import Layout
 from nnxscale.placement.mesh import axis_type_error
 
 

@@ -249,6 +249,22 @@ def model_config(model: nnx.Module) -> dict[str, Any] | None:
     return config_record(cfg) if dataclasses.is_dataclass(cfg) else None
 
 
+def config_words(model: nnx.Module) -> str | None:
+    """The model's configuration in words, as a checkpoint's record shows it: for a `cfg`
+    dataclass that builds with no arguments, its name and the fields that differ from its
+    defaults (`Config() with {'layers': 4}`); None otherwise (the record shows its JSON)."""
+    cfg = getattr(model, "cfg", None)
+    if not dataclasses.is_dataclass(cfg) or isinstance(cfg, type):
+        return None
+    try:
+        default = config_record(type(cfg)())
+    except (TypeError, ValueError):  # no defaults to tell the changes from
+        return None
+    changed = {k: v for k, v in config_record(cfg).items() if default.get(k) != v}
+    name = type(cfg).__name__
+    return f"{name}() with {changed}" if changed else f"{name}() (the defaults)"
+
+
 NONFINITE = ("skip", "raise")
 """The policies for a step whose loss, a gradient or an update is not finite
 (`TrainOptions.nonfinite`)."""
