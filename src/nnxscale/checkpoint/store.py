@@ -71,9 +71,11 @@ def orbax_manager(
     directory: Location, keep: int, create: bool, written: Callable[[], None] | None
 ) -> ocp.CheckpointManager:
     """Orbax's manager of a directory of steps, each a `state` and a `meta` (JSON) item, the
-    last `keep` kept; saves asynchronous when `written` is given (called as each completes)."""
+    last `keep` kept; saves asynchronous when `written` is given (called as each completes).
+    Orbax's current forms: a preservation policy, and a registry of each item's handler for
+    its save and restore arguments."""
     options = ocp.CheckpointManagerOptions(
-        max_to_keep=keep,
+        preservation_policy=ocp.checkpoint_managers.LatestN(keep),
         enable_async_checkpointing=written is not None,
         create=create,
         cleanup_tmp_directories=create,
@@ -81,8 +83,15 @@ def orbax_manager(
         if written is None
         else ocp.AsyncOptions(post_finalization_callback=written),
     )
-    handlers = {"state": ocp.StandardCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()}
-    return ocp.CheckpointManager(directory, options=options, item_handlers=handlers)
+    handlers = ocp.handlers.DefaultCheckpointHandlerRegistry()
+    state, meta = ocp.StandardCheckpointHandler(), ocp.JsonCheckpointHandler()
+    for item, handler, arguments in (
+        ("state", state, (ocp.args.StandardSave, ocp.args.StandardRestore)),
+        ("meta", meta, (ocp.args.JsonSave, ocp.args.JsonRestore)),
+    ):
+        for argument in arguments:
+            handlers.add(item, argument, handler)
+    return ocp.CheckpointManager(directory, options=options, handler_registry=handlers)
 
 
 _OPEN: weakref.WeakSet[Checkpoints] = weakref.WeakSet()

@@ -117,7 +117,7 @@ class Stored:
 
     def _stored_tree(self, step: int | None) -> dict[str, Any]:
         """Path -> Orbax's metadata of each saved array (each NNX variable is {"value": ...})."""
-        tree = self.manager.item_metadata(self.find(step))["state"].tree
+        tree = self.manager.metadata(self.find(step)).item_metadata["state"].tree
         return {path.removesuffix("/value"): leaf for path, leaf in leaves_of(tree)}
 
     def saved_arrays(self, step: int | None = None) -> dict[str, tuple[tuple[int, ...], str]]:
