@@ -77,3 +77,31 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             raise pytest.UsageError(f"{item.nodeid} uses the built book: mark it `book`")
         if item.path.name in EXECUTES_CHAPTERS and "sweep" not in marks:
             raise pytest.UsageError(f"{item.nodeid} executes chapters: mark it `sweep`")
+
+
+FAST_SECONDS = 6.0
+"""The longest an unmarked test may run in the fast tier; a longer one is marked `slow`."""
+TIERS = {"slow", "book", "sweep"}
+
+
+def fast_tier(config: pytest.Config) -> bool:
+    """Whether this session runs the fast tier alone: its marker expression leaves out every
+    other tier (`-m "not slow and not book and not sweep"`), so nothing else loads the cores."""
+    expression = config.getoption("markexpr") or ""
+    return all(f"not {tier}" in expression for tier in TIERS)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
+    """In the fast tier, an unmarked test that runs over `FAST_SECONDS` fails, naming its time
+    and the fix (mark it `slow`, or make it faster), so the tier stays fast as it grows."""
+    report = yield
+    marked = {m.name for m in item.iter_markers()} & TIERS
+    slow = report.when == "call" and report.passed and call.duration > FAST_SECONDS
+    if slow and not marked and fast_tier(item.config):
+        report.outcome = "failed"
+        report.longrepr = (
+            f"{item.nodeid} took {call.duration:.1f} s, over the fast tier's {FAST_SECONDS:g} s "
+            "for an unmarked test: mark it @pytest.mark.slow, or make it faster."
+        )
+    return report

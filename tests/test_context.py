@@ -90,6 +90,7 @@ def test_in_bfloat16_the_kernel_is_as_close_to_float32_as_dense_attention_is() -
     assert largest_gap(ours, exact) <= 2 * largest_gap(theirs, exact)
 
 
+@pytest.mark.slow
 def test_the_custom_vjp_equals_autodiff_through_its_own_loops() -> None:
     q, k, v, w = arrays()
     flash = output_and_grads(ring_in_order(4, block=4), q, k, v, w)
@@ -473,6 +474,7 @@ def test_flash_attention_skips_the_masked_blocks_and_keeps_no_scores() -> None:
     assert temps[1] < 4.5 * temps[0]  # four times the tokens: linear, not 16 times
 
 
+@pytest.mark.slow
 def test_the_models_step_grows_linearly_with_the_sequence() -> None:
     """Beyond one block (512 tokens) the kernel's working set stays the same size; up to it,
     the one block is the whole sequence and grows with its square."""

@@ -380,6 +380,7 @@ def test_the_pipelines_peak_and_hand_overs_against_the_compiled_executor(stages,
         assert report.array_bytes("all-gather") == gathers.array_bytes
 
 
+@pytest.mark.slow
 def test_a_bfloat16_step_lies_within_the_band_of_the_bfloat16_ledger() -> None:
     """A scanned bfloat16 step keeps bfloat16 values, as the bfloat16 ledger counts them, and
     not float32 copies: below the float32 ledger. (jaxlib 0.10.2's CPU computed bfloat16 values

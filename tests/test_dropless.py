@@ -186,6 +186,7 @@ def test_a_dropless_transformer_trains_as_on_one_device(name: str) -> None:
     np.testing.assert_allclose(losses, reference, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_the_z_loss_enters_the_training_loss_with_its_weight() -> None:
     import nnxscale as nx
 
@@ -223,6 +224,7 @@ def one_device_loss(x, *w):
     return jnp.sum(y**2) + routed.aux_loss.mean()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("shape, explicit", [((1, 8), True), ((2, 4), True), ((2, 4), False)])
 def test_expert_parallelism_equals_one_device_in_loss_and_gradients(shape, explicit) -> None:
     """float32 sums of the same products in another order: the loss sums 1,536 squares, whose
@@ -374,6 +376,7 @@ def first_step_bias(batches, rate) -> np.ndarray:
     return rate * np.sign(loads.mean(-1, keepdims=True) - loads)
 
 
+@pytest.mark.slow
 def test_a_step_moves_the_bias_by_its_rate_toward_the_experts_with_fewer_copies() -> None:
     import nnxscale as nx
 

