@@ -150,12 +150,14 @@ def test_the_package_imports_its_names_explicitly() -> None:
 
 def test_importing_starts_no_backend_and_runs_without_warnings() -> None:
     """The setup cell imports nnxscale and then emulates devices: the import must leave JAX's
-    backend unstarted; `python -m nnxscale` runs its programs without runpy's warning."""
+    backend unstarted, and matplotlib unimported until a figure draws; `python -m nnxscale`
+    runs its programs without runpy's warning."""
     probe = (
         "import warnings; warnings.simplefilter('error')\n"
         "import nnxscale as nx\n"
         "from jax._src import xla_bridge\n"
         "assert not xla_bridge.backends_are_initialized()\n"
+        "import sys; assert 'matplotlib' not in sys.modules  # imported when a figure draws\n"
         "nx.emulate_devices(3)\n"
         "import jax; assert jax.device_count() == 3\n"
     )

@@ -4,14 +4,16 @@ collective matmul passes around its ring."""
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
-import matplotlib.pyplot as plt
 import numpy as np
-from matplotlib.figure import Figure
 
 from nnxscale.figures.drawing import box, device_colour
 from nnxscale.placement.rules import Rules
 from nnxscale.profiling.overlap import held_block
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 REGIONS = (
     ("norm and residual", None),
@@ -37,6 +39,8 @@ def plot_sequence_parallel(rule_sets: Sequence[Rules], model: int = 4) -> Figure
     bar per device, the sequence from top to bottom, filled where the device holds it; and
     between regions the collective that joins them, read off the rules (the residual
     stream split along the sequence over `model` where `residual_length` maps there)."""
+    import matplotlib.pyplot as plt
+
     fig, axes = plt.subplots(1, len(rule_sets), figsize=(4.4 * len(rule_sets), 6.4))
     for ax, rules in zip(np.atleast_1d(axes), rule_sets, strict=True):
         split = "model" in (rules.logical.get("residual_length") or ())
@@ -78,6 +82,8 @@ def plot_collective_matmul(devices: int) -> Figure:
     """The collective matmul's ring (`nx.overlap.collective_matmul`): a row per step, a
     column per device, each cell the block of rows the device multiplies at that step in
     the colour of the device that started with it, and an arrow where it is sent on."""
+    import matplotlib.pyplot as plt
+
     fig, ax = plt.subplots(figsize=(1.0 * devices + 1.6, 0.62 * devices + 0.8))
     for step in range(devices):
         for d in range(devices):

@@ -4,14 +4,11 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
-import matplotlib.pyplot as plt
 import numpy as np
 from flax import nnx
-from matplotlib.axes import Axes
-from matplotlib.figure import Figure
 
 from nnxscale.checkpoint.restoring import chunks_read
 from nnxscale.figures.drawing import box
@@ -20,6 +17,10 @@ from nnxscale.model.transformer import Config, create
 from nnxscale.placement.init import abstract
 from nnxscale.placement.layout import ReplicationWarning, resolve
 from nnxscale.placement.rules import FSDP, TP, Rules, strategy_mesh
+
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
+    from matplotlib.figure import Figure
 
 
 def plot_saves(steps: Mapping[int, tuple[float, float]], saves: Mapping[int, Any]) -> Figure:
@@ -30,6 +31,8 @@ def plot_saves(steps: Mapping[int, tuple[float, float]], saves: Mapping[int, Any
     Training waits only while a save copies the arrays off the devices; the files are written
     in the background while the next steps run.
     """
+    import matplotlib.pyplot as plt
+
     origin = min(min(s for s, _ in steps.values()), *(t.started for t in saves.values()))
 
     def ms(t: float) -> float:
@@ -71,6 +74,8 @@ def _outline_reads(
     device: int,
 ) -> None:
     """Hatch the saved chunks `device` reads, and outline in red the shard it keeps."""
+    import matplotlib.pyplot as plt
+
     height, width = (1, *chunk) if len(chunk) == 1 else chunk
     for index in reads:
         row, col = (0, *index) if len(index) == 1 else index
@@ -109,6 +114,8 @@ def plot_restore(
     red and the saved chunks it reads hatched (`nnxscale.checkpoint.chunks_read`). Layouts
     are resolved from the abstract model (a `Config` is the book's Transformer): no memory.
     """
+    import matplotlib.pyplot as plt
+
     if restored is None:
         half = max(1, jax.device_count() // 2)
         restored = {"restored under TP": (TP, None), f"FSDP on {half} devices": (FSDP, half)}

@@ -3,18 +3,21 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import jax
-import matplotlib
-import matplotlib.pyplot as plt
 import numpy as np
-from matplotlib.axes import Axes
+
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
 
 SUM = "Σ"
 """The label of a block that holds a sum over every device's block."""
 
 
 def device_colour(device_id: int, total: int) -> tuple[float, float, float, float]:
+    import matplotlib.pyplot as plt
+
     return plt.get_cmap("tab20" if total > 10 else "tab10")(device_id % 20)
 
 
@@ -38,6 +41,9 @@ def box(
     hatch: str | None = None,
 ) -> None:
     """A filled rectangle with its label centred in a colour that reads on it."""
+    import matplotlib
+    import matplotlib.pyplot as plt
+
     ax.add_patch(
         plt.Rectangle(
             (x, y),

@@ -4,17 +4,20 @@ against its measurements, and the model's first pick against the measured best."
 from __future__ import annotations
 
 from collections.abc import Sequence
-
-import matplotlib.pyplot as plt
-from matplotlib.figure import Figure
+from typing import TYPE_CHECKING
 
 from nnxscale.evidence.grid import FIT_NODES, MODELS, WITHIN, Group, Priced
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 
 def plot_grid(priced: Sequence[Priced]) -> Figure:
     """Predicted against measured tokens per second per GPU, one panel per model, on log
     axes: the runs the time model was fitted on (1 to 8 nodes) in grey, those it was not
     (16 to 64 nodes) coloured by node count; the diagonal and the band of `WITHIN`."""
+    import matplotlib.pyplot as plt
+
     fig, axes = plt.subplots(1, len(MODELS), figsize=(10, 3.6))
     nodes = sorted({p.run.nodes for p in priced if p.run.nodes not in FIT_NODES})
     for ax, model in zip(axes, MODELS, strict=True):
@@ -58,6 +61,8 @@ def plot_grid(priced: Sequence[Priced]) -> Figure:
 def plot_picks(groups: Sequence[Group]) -> Figure:
     """Per model, against node count: the best throughput measured, and what the model's
     first pick measured (`nnxscale.evidence.grid.rank`); the test split shaded."""
+    import matplotlib.pyplot as plt
+
     fig, axes = plt.subplots(1, len(MODELS), figsize=(10, 3.2))
     for ax, model in zip(axes, MODELS, strict=True):
         mine = sorted((g for g in groups if g.model == model), key=lambda g: g.nodes)

@@ -4,11 +4,12 @@ them and coloured by what raises them (JAX, the library, the launcher)."""
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-
-import matplotlib.pyplot as plt
-from matplotlib.figure import Figure
+from typing import TYPE_CHECKING
 
 from nnxscale.figures.drawing import box
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 RAISERS = {
     "JAX": ("#4c72b0", "raised by JAX"),
@@ -22,6 +23,8 @@ RAISERS = {
 def plot_failures(stages: Mapping[str, Sequence[tuple[str, str]]]) -> Figure:
     """One column per stage of a run, left to right, holding the errors raised there, each a
     box (name, raiser) coloured as `RAISERS[raiser]` says."""
+    import matplotlib.pyplot as plt
+
     unknown = {r for errors in stages.values() for _, r in errors} - set(RAISERS)
     if unknown:
         raise ValueError(f"raisers {sorted(unknown)} unknown; use those of {sorted(RAISERS)}")

@@ -5,15 +5,12 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
-import matplotlib.pyplot as plt
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
-from matplotlib.axes import Axes
-from matplotlib.figure import Figure
 
 from nnxscale.analysis.comm import ring_bytes
 from nnxscale.core.memory import CompiledMemory
@@ -21,6 +18,10 @@ from nnxscale.figures.drawing import SUM, box, byte_unit, device_colour, matrix_
 from nnxscale.placement.init import InitPrograms
 from nnxscale.placement.layout import Layout, resolve
 from nnxscale.placement.rules import strategy_mesh
+
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
+    from matplotlib.figure import Figure
 
 
 def shard_blocks(array: jax.Array | jax.ShapeDtypeStruct) -> dict[tuple[int, ...], list[int]]:
@@ -42,6 +43,8 @@ def plot_sharding(
     array: jax.Array | jax.ShapeDtypeStruct, ax: Axes | None = None, title: str | None = None
 ) -> Axes:
     """Draw the array as a grid of blocks, each coloured and labelled by the devices holding it."""
+    import matplotlib.pyplot as plt
+
     ax = ax or plt.subplots(figsize=(4, 3))[1]
     rows, cols = (1, array.shape[0]) if len(array.shape) == 1 else array.shape
     total = len(array.sharding.device_set)
@@ -61,6 +64,8 @@ def plot_shardings(
     arrays: Mapping[str, jax.Array | jax.ShapeDtypeStruct], columns: int = 4
 ) -> Figure:
     """One `plot_sharding` panel per named array, side by side."""
+    import matplotlib.pyplot as plt
+
     n = len(arrays)
     rows = (n + columns - 1) // columns
     fig, axes = plt.subplots(
@@ -77,6 +82,8 @@ def plot_shardings(
 
 def plot_mesh(mesh: Mesh, ax: Axes | None = None) -> Axes:
     """Draw a 1-D or 2-D mesh: the device id at each position, axes named."""
+    import matplotlib.pyplot as plt
+
     ids = mesh.device_ids if mesh.devices.ndim == 2 else mesh.device_ids.reshape(1, -1)
     names = mesh.axis_names if mesh.devices.ndim == 2 else ("", mesh.axis_names[0])
     ax = ax or plt.subplots(figsize=(0.7 * ids.shape[1] + 1.2, 0.7 * ids.shape[0] + 0.8))[1]
@@ -115,6 +122,8 @@ def block_sources(blocks: np.ndarray, output: np.ndarray) -> list[list[int | str
 def plot_collectives(blocks: np.ndarray, outputs: Mapping[str, np.ndarray]) -> Figure:
     """What each device holds before and after each collective, read off the real results:
     a piece is coloured by the device whose block it is, or grey when it is a sum over all."""
+    import matplotlib.pyplot as plt
+
     devices = blocks.shape[0]
     panels = {"before (each device's block)": np.arange(devices)[:, None].tolist()}
     panels |= {name: block_sources(blocks, out) for name, out in outputs.items()}
@@ -155,6 +164,8 @@ def plot_layouts(layouts: Mapping[str, Layout], paths: Sequence[str]) -> Figure:
     """The same weights under several layouts, a row per layout and a column per path: each
     weight drawn as a matrix (`matrix_view`) of blocks coloured and labelled by the devices
     that hold them, titled with its shape and where each dimension goes."""
+    import matplotlib.pyplot as plt
+
     fig, axes = plt.subplots(
         len(layouts), len(paths), figsize=(2.9 * len(paths), 2.8 * len(layouts)), squeeze=False
     )
@@ -172,6 +183,8 @@ def plot_layouts(layouts: Mapping[str, Layout], paths: Sequence[str]) -> Figure:
 def plot_on_mesh(array: jax.Array | jax.ShapeDtypeStruct) -> Figure:
     """The mesh an array is laid out on beside the array cut into its blocks, in the same
     colours: which device holds which block, at a glance."""
+    import matplotlib.pyplot as plt
+
     mesh = array.sharding.mesh
     ids = mesh.device_ids if mesh.devices.ndim == 2 else mesh.device_ids.reshape(1, -1)
     fig, (left, right) = plt.subplots(
@@ -192,6 +205,7 @@ def plot_ring_costs(counted: Mapping[str, tuple[int, float]], max_devices: int =
     """Bytes each device sends over P, against the ring's device count N: the ring formulas as
     lines, and `counted` (collective kind -> (N, bytes sent / P), read off compiled programs)
     as dots on them."""
+    import matplotlib.pyplot as plt
 
     counts = np.arange(2, max_devices + 1)
     fig, ax = plt.subplots(figsize=(6, 3))
@@ -216,6 +230,8 @@ def plot_rule_sets(tree: Any, rule_sets: Mapping[str, Any], path: str) -> Figure
     """One array of `tree` (a model, abstract or not, an nnx State or a pytree) laid out by
     each rule set on the mesh it is meant for (`strategy_mesh`): how a strategy cuts a weight.
     An array of more than two dimensions is drawn as its `matrix_view`."""
+    import matplotlib.pyplot as plt
+
     if isinstance(tree, nnx.Module):
         tree = nnx.state(tree, nnx.Param)
     fig, axes = plt.subplots(1, len(rule_sets), figsize=(3.2 * len(rule_sets), 2.9), squeeze=False)
@@ -232,6 +248,8 @@ def plot_rule_sets(tree: Any, rule_sets: Mapping[str, Any], path: str) -> Figure
 def plot_shares(shares: Mapping[tuple[str, int], float], devices: int) -> Figure:
     """Share of a model each device holds, `shares[(rule set, model-axis size)]`, as bars
     grouped by rule set, a colour per mesh shape, against the ideal 1/N (dashed)."""
+    import matplotlib.pyplot as plt
+
     names = list(dict.fromkeys(name for name, _ in shares))
     sizes = sorted({m for _, m in shares})
     fig, ax = plt.subplots(figsize=(7, 3.2))
@@ -259,6 +277,7 @@ def plot_init_memory(programs: InitPrograms) -> Figure:
     programs `programs` compiled: built whole on device 0 and then split (left), or created
     straight into its shards (right). Each bar stacks the program's outputs (the weights) on
     its temporaries; dashed outlines mark what each device keeps after the split."""
+    import matplotlib.pyplot as plt
 
     whole = CompiledMemory.of(programs.whole)
     sharded = CompiledMemory.of(programs.sharded)

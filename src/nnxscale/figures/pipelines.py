@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
-import matplotlib.pyplot as plt
 import numpy as np
-from matplotlib.axes import Axes
-from matplotlib.figure import Figure
 
 from nnxscale.figures.drawing import box
 from nnxscale.parallelism.schedules import (
@@ -24,6 +22,10 @@ from nnxscale.parallelism.schedules import (
     zero_bubble_formula,
 )
 
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
+    from matplotlib.figure import Figure
+
 
 def plot_timeline(timeline: Timeline, ax: Axes | None = None, makespan: float = 0.0) -> Axes:
     """A Gantt chart of a simulated schedule: a row per device, a box per task, idle left blank.
@@ -33,6 +35,8 @@ def plot_timeline(timeline: Timeline, ax: Axes | None = None, makespan: float = 
     a subscript, when there are several per device). `makespan` sets a common time axis
     when several charts are compared.
     """
+    import matplotlib.pyplot as plt
+
     schedule = timeline.schedule
     ax = ax or plt.subplots(figsize=(10, 0.5 * schedule.devices + 1))[1]
     colours = plt.get_cmap("tab20")
@@ -73,6 +77,8 @@ def plot_timelines(schedules: Sequence[Schedule], ticks: bool = False) -> Figure
     """Schedules simulated and drawn one above the other on one time axis (where each ends is
     marked), forward light and backward dark; with `ticks`, one tick per task, as the
     executor runs them."""
+    import matplotlib.pyplot as plt
+
     timelines = [simulate(s, (lambda task: 1.0) if ticks else None) for s in schedules]
     longest = max(t.makespan for t in timelines)
     rows = sum(s.devices for s in schedules)
@@ -99,6 +105,8 @@ def plot_bubbles(devices: int, micro_batches: Sequence[int], virtual: Sequence[i
     """Idle share against micro-batches: the formula (p-1)/(vm+p-1) as lines, ZB-H1's
     (p-1)/(3m+p-1) dashed, and each schedule simulated as points on them (GPipe and 1F1B
     share v = 1)."""
+    import matplotlib.pyplot as plt
+
     fig, ax = plt.subplots(figsize=(6.5, 3.4))
     ms = np.arange(1, max(micro_batches) + 1)
     for i, v in enumerate(virtual):

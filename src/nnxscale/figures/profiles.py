@@ -4,13 +4,15 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
 
-import matplotlib.pyplot as plt
 import numpy as np
-from matplotlib.figure import Figure
 
 from nnxscale.costs.hardware import Hardware, hardware
 from nnxscale.profiling.profiles import Placed, Timed, attainable, ridge
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 KIND_COLOURS = {"matmul": "C0", "collective": "C3", "other": "0.6"}
 """The colour of each kind of op in profiles and rooflines."""
@@ -20,6 +22,8 @@ def plot_profile(rows: Sequence[Timed], title: str = "", named: int = 3) -> Figu
     """A profiled step as a timeline: a row per device, a box per op from its start to its
     end, coloured by kind (matrix product, collective, other), the optimizer's ops hatched;
     the `named` longest ops of the first device labelled with their HLO names."""
+    import matplotlib.pyplot as plt
+
     devices = sorted({r.device for r in rows})
     fig, ax = plt.subplots(figsize=(10, 0.42 * len(devices) + 1.4))
     origin = min(s for r in rows for s in r.starts)
@@ -69,6 +73,8 @@ def plot_roofline(
     sized by its time and coloured by kind, with the roofs of the datasheet accelerators
     named in `others` dashed, every ridge point marked, and `marks` (name: FLOPs per byte)
     drawn as labelled arrows on the first roof."""
+    import matplotlib.pyplot as plt
+
     hw, marks = hardware(hw), dict(marks or {})
     fig, ax = plt.subplots(figsize=(8, 4.2))
     lowest = min([p.intensity for p in placed] + list(marks.values()) + [0.5])

@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
-import matplotlib.pyplot as plt
 import numpy as np
-from matplotlib.figure import Figure
 
 from nnxscale.costs.crossing import Crossing
 from nnxscale.figures.drawing import box, device_colour, frameless
@@ -16,10 +15,15 @@ from nnxscale.model.context import Ring
 from nnxscale.model.moe import Routing
 from nnxscale.runtime.events import Start
 
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
 
 def plot_topology(starts: Sequence[Start]) -> Figure:
     """Processes, their devices and the global mesh, from each worker's `Start` event: a box
     per process holding its devices, each labelled with its id and mesh position."""
+    import matplotlib.pyplot as plt
+
     starts = sorted(starts, key=lambda e: e.process)
     axes_names = starts[0].mesh_axes
     grid = np.array(starts[0].mesh_device_ids)
@@ -67,6 +71,8 @@ def plot_ring(ring: Ring) -> Figure:
     (arrows); a cell is coloured by the device that owns the K/V shard held there, and its
     small grid marks the (query chunk, key chunk) pairs a causal mask needs (filled) or lets
     the device skip (empty)."""
+    import matplotlib.pyplot as plt
+
     n = ring.devices
     chunks = np.array(ring.chunks()).reshape(n, -1)
     per = chunks.shape[1]
@@ -122,6 +128,8 @@ def plot_dispatch(routing: Routing, devices: int) -> Figure:
     the expert (hatched: dropped, the expert's slots were full); right, each expert's slots
     after the all-to-all, labelled with the token that fills each one and coloured by the
     device it came from. The second all-to-all takes each slot's result back the same way."""
+    import matplotlib.pyplot as plt
+
     dispatch = np.asarray(routing.dispatch)  # (groups, tokens, experts, slots)
     chosen = np.asarray(routing.chosen)  # (groups, tokens, k)
     groups, tokens, experts, slots = dispatch.shape
@@ -180,6 +188,8 @@ def plot_links(crossing: Crossing) -> Figure:
     processes (`costs.crossing`): a box per process (a host) holding its devices, the fast
     links between devices inside it, the slow network between the processes, and beside
     each the collectives the step runs over them, with their bytes."""
+    import matplotlib.pyplot as plt
+
     mesh = crossing.mesh
     processes = mesh["replica"]
     local = math.prod(size for axis, size in mesh.items() if axis != "replica")

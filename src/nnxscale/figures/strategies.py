@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
 
 import jax
-import matplotlib.pyplot as plt
 import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
-from matplotlib.figure import Figure
 
 from nnxscale.costs.counts import Setup
 from nnxscale.costs.hardware import Hardware, hardware
@@ -23,10 +22,15 @@ from nnxscale.placement.layout import Layout, ReplicationWarning
 from nnxscale.placement.rules import Rules
 from nnxscale.train.step import ROLE_NAMES, role_bytes
 
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
 
 def plot_temporaries(measured: Mapping[str, Mapping[int, int]]) -> Figure:
     """Compiled temporary bytes per device against micro-batches m, a line per schedule:
     `measured[schedule name][m]`."""
+    import matplotlib.pyplot as plt
+
     fig, ax = plt.subplots(figsize=(6.5, 3.4))
     for i, (name, by_m) in enumerate(measured.items()):
         ms = sorted(by_m)
@@ -48,6 +52,8 @@ def plot_fsdp_timeline(layer_bytes: Sequence[int], gather_again: bool) -> Figure
     layer: gather again (or keep from the forward pass), compute, reduce-scatter the gradient.
     Box widths are the bytes each layer moves, not measured times.
     """
+    import matplotlib.pyplot as plt
+
     layers = len(layer_bytes)
     unit = max(layer_bytes)
     fig, ax = plt.subplots(figsize=(10, 2.3))
@@ -103,6 +109,8 @@ def plot_ledger(
     """A device's memory ledger under each setup, as the cost model counts it: one bar per
     setup of its four parts (`costs.ledger`), a tick at the step's peak (`costs.step_cost`)
     and the device's memory as a dashed line, so one sees what fits and which part does not."""
+    import matplotlib.pyplot as plt
+
     hw = hardware(hw)
     fig, ax = plt.subplots(figsize=(8.5, 0.55 * len(setups) + 1.5))
     for i, setup in enumerate(setups.values()):
@@ -129,6 +137,7 @@ def plot_zero_stages(cfg: Config, rule_sets: Sequence[Rules]) -> Figure:
     """What each device holds of the book's Transformer (`cfg`) and its AdamW state under each
     rule set on all devices, role by role (`nnxscale.train.role_bytes`): parameters, gradients
     and optimizer state stacked, DP's replication beside what ZeRO's stages and FSDP split."""
+    import matplotlib.pyplot as plt
 
     with warnings.catch_warnings():  # arrays a rule set cannot split show in the bars
         warnings.simplefilter("ignore", ReplicationWarning)
@@ -161,6 +170,8 @@ def plot_data_parallel(devices: int, rows: int, grad_bytes: int, sent: float) ->
     """One data-parallel step on `devices` devices: each computes the gradients of its own
     rows of a batch of `rows`, an all-reduce sums them (`grad_bytes` each, `sent` bytes sent
     per device, as counted), and every device applies the same update to its replica."""
+    import matplotlib.pyplot as plt
+
     fig, ax = plt.subplots(figsize=(9, 0.42 * devices + 1.3))
     per = rows // devices
     for d in range(devices):
@@ -191,6 +202,7 @@ def plot_tensor_parallel_mlp(layout: Layout, rows: int, block: int = 0) -> Figur
     by columns and the down projection by rows over the mesh axis that splits `mlp`, so the
     hidden activations need no communication and the output is a sum of partial products, one
     all-reduce; `rows` is the batch's rows, split as the layout splits batches."""
+    import matplotlib.pyplot as plt
 
     path = next(p.path for p in layout.placements if p.path.endswith(f"blocks/{block}/mlp/up"))
     up = layout.array_at(path)
@@ -234,6 +246,8 @@ def plot_strategy_costs(
     """Per strategy, memory per device of a compiled step (left: the train state and the
     step's temporaries, stacked, against `ideal`, the state over N) and bytes each device
     sends per step (right, against `formulas`: a dashed line each)."""
+    import matplotlib.pyplot as plt
+
     names = list(state)
     fig, (ax_mem, ax_comm) = plt.subplots(1, 2, figsize=(9, 3.2))
     held = np.array([state[k] for k in names]) / 1024
