@@ -122,6 +122,7 @@ def test_kernels_get_jemalloc_where_installed_and_nothing_else_is_preloaded(monk
     monkeypatch.setattr(ext, "find_library", lambda name: f"lib{name}.so.2")
     assert ext.faster_malloc({}) == {"LD_PRELOAD": "libjemalloc.so.2"}
     assert ext.faster_malloc({"LD_PRELOAD": "libtcmalloc.so.4"}) == {}  # the reader's own
+    assert ext.faster_malloc({"NNXSCALE_JEMALLOC": "0"}) == {}  # turned off
     assert "libjemalloc2" in (ROOT / ".ci" / "setup").read_text()  # CI builds with it
 
 

@@ -449,3 +449,15 @@ def test_object_storage_other_than_gcs_is_refused_before_anything_is_written(
     with pytest.raises(NoCheckpointError, match=rf"object storage \({scheme}://\).*renaming"):
         Checkpoints(url)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_finishing_saves_at_program_end_can_be_turned_off(tmp_path) -> None:
+    """By default an open directory is closed as the main module ends (its saves finished);
+    `finish_at_exit=False` leaves closing it to its owner (ARCHITECTURE.md lists the switch)."""
+    from nnxscale.checkpoint import store
+
+    with (
+        Checkpoints(tmp_path / "a") as watched,
+        Checkpoints(tmp_path / "b", finish_at_exit=False) as left,
+    ):
+        assert watched in store._OPEN and left not in store._OPEN

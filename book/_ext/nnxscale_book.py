@@ -165,9 +165,10 @@ def faster_malloc(environ: Mapping[str, str] = os.environ) -> dict[str, str]:
     `libjemalloc2`) and nothing else is preloaded; otherwise nothing. XLA's compiler, which
     takes most of a chapter's time, allocates and frees small objects by the million, and
     glibc's malloc spent about a sixth of chapter 4's CPU time in them: with jemalloc the
-    chapter ran in 28.1 s against 32.3 s here (benchmarks/build_time.py measures both)."""
+    chapter ran in 28.1 s against 32.3 s here (benchmarks/build_time.py measures both).
+    `NNXSCALE_JEMALLOC=0` turns it off."""
     library = find_library("jemalloc")
-    if library is None or environ.get("LD_PRELOAD"):
+    if library is None or environ.get("LD_PRELOAD") or environ.get("NNXSCALE_JEMALLOC") == "0":
         return {}
     return {"LD_PRELOAD": library}
 

@@ -185,7 +185,9 @@ class Checkpoints:
 
     The writer's policy (its lock, the steps kept, asynchronous saves, the verified fallback
     of restores) over a read-only view of the directory, `stored` (`Stored`), which its reads
-    and restores consult (`nnxscale.checkpoint.restoring`)."""
+    and restores consult (`nnxscale.checkpoint.restoring`). Its saves still in flight when the
+    program's main module ends are finished then (`finish_at_program_end`), unless
+    `finish_at_exit=False`: then close it yourself."""
 
     def __init__(
         self,
@@ -194,6 +196,7 @@ class Checkpoints:
         keep: int = 3,
         asynchronous: bool = True,
         create: bool = True,
+        finish_at_exit: bool = True,
     ) -> None:
         if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
             raise ValueError(
@@ -223,9 +226,9 @@ class Checkpoints:
         self.times: dict[int, SaveTimes] = {}
         self.skipped: dict[int, str] = {}  # steps the last restore passed over, and why
         self.closed = False
-        # A save still being written when the program ends is finished, not lost.
-        _OPEN.add(self)
-        finish_at_program_end()
+        if finish_at_exit:  # a save still being written when the program ends is finished
+            _OPEN.add(self)
+            finish_at_program_end()
 
     def _open(self, create: bool) -> None:
         """Check the directory, within a stated time on object storage, and take the writer's
