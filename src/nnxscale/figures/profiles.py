@@ -117,10 +117,8 @@ def plot_roofline(
                 edgecolor="k",
                 linewidth=0.3,
             )
-    ax.set_xscale("log")
-    ax.set_yscale("log")
+    ax.set(xscale="log", yscale="log", ylabel="FLOP/s")
     ax.set_xlabel("arithmetic intensity (FLOPs per byte moved)")
-    ax.set_ylabel("FLOP/s")
     ax.legend(fontsize=8, loc="lower right")
     fig.tight_layout()
     return fig
