@@ -142,6 +142,7 @@ def test_restores_in_another_process_with_half_the_devices(run, tmp_path) -> Non
     assert restored.mesh == {"data": 4, "model": 1} and restored.saved["devices"] == 8
 
 
+@pytest.mark.slow
 def test_resumed_run_equals_the_uninterrupted_run(run) -> None:
     resumed = run["checkpoints"].restore(
         Transformer.from_config, adamw(), FSDP, strategy_mesh(FSDP), step=6, data=BATCHES

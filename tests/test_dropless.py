@@ -51,6 +51,7 @@ def test_the_layer_equals_the_dense_reference_in_output_and_gradients(top_k, blo
         np.testing.assert_allclose(g, r, atol=1e-4, rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_no_copy_is_dropped_where_gshards_capacity_drops_some() -> None:
     x, (router, *_) = tokens(64), weights()
     _, routed = dropless.dropless(x, *weights(), top_k=2, block=4)
@@ -127,6 +128,7 @@ def test_the_backward_pass_keeps_no_expert_weights_per_block() -> None:
     assert temporaries(1024, 8, wide) <= 1.1 * temporaries(1024, 64, wide)
 
 
+@pytest.mark.slow
 def test_shared_experts_add_one_mlp_every_token_passes_through() -> None:
     with nnx.use_eager_sharding(False):
         shared = MLP(TINY.replace(embed=D, mlp=F), rngs=nnx.Rngs(1))
@@ -330,6 +332,7 @@ def biased_loss(x, bias, *w):
     return jnp.sum(y**2) + dropless.with_loads(routed, bias).aux_loss.mean(), routed
 
 
+@pytest.mark.slow
 def test_the_bias_gradient_is_the_load_of_every_group_on_one_device_and_under_ep() -> None:
     import nnxscale as nx
     from nnxscale.placement.constraints import activation_rules

@@ -304,6 +304,7 @@ def test_flax_abstract_model_agrees_with_the_layout() -> None:
 # 3. tensor parallelism for a model without annotations
 
 
+@pytest.mark.slow
 def test_proposed_names_give_tensor_parallelism_to_an_unannotated_model() -> None:
     proposal = nx.naming.propose(make(PLAIN))
     names = proposal.names()

@@ -100,6 +100,7 @@ def test_accumulated_training_follows_whole_batch_training() -> None:
     np.testing.assert_allclose(micro.train(batches, 3), whole.train(batches, 3), atol=1e-5)
 
 
+@pytest.mark.slow
 def test_ema_starts_at_the_parameters_and_follows_them() -> None:
     run = trainer(FSDP, dropout=False)
     state = nnx.merge(run.graphdef, run.state)
