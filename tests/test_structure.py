@@ -149,3 +149,11 @@ def test_training_and_checkpoints_know_a_model_only_by_its_loss(name: str) -> No
     allowed = {"nnxscale.model.losses", MODEL_DOORS.get(name, ("",))[0]}
     reached = {m for m in imports(modules()[name]) if m.startswith("nnxscale.model")}
     assert reached <= allowed, f"{name} imports {sorted(reached - allowed)} from the model"
+
+
+def test_the_architecture_names_every_layer_in_order() -> None:
+    """ARCHITECTURE.md's layer map lists the layers as the import rule orders them."""
+    text = (ROOT / "ARCHITECTURE.md").read_text()
+    rows = [m for m in (f"| `{name}` |" for name in LAYERS) if m in text]
+    assert rows == [f"| `{name}` |" for name in LAYERS]
+    assert [text.index(row) for row in rows] == sorted(text.index(row) for row in rows)
