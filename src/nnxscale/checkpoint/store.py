@@ -259,10 +259,6 @@ class Checkpoints:
         """Names of unfinished saves in the directory, which restores ignore (`Stored.partial`)."""
         return self.stored.partial()
 
-    def find(self, step: int | None) -> int:
-        """`step`, or the newest complete step when None, once found here (`Stored.find`)."""
-        return self.stored.find(step)
-
     def record(self, step: int | None = None) -> Record:
         """The record of the checkpoint of `step` (default: the latest; `Stored.record`)."""
         return self.stored.record(step)
