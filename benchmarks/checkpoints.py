@@ -29,7 +29,8 @@ from jax.sharding import Mesh
 from nnxscale import TINY, Checkpoints, Config, Trainer, Transformer, adamw, cli, create
 from nnxscale.checkpoint.integrity import checksums
 from nnxscale.model import BENCH
-from nnxscale.placement.rules import FSDP, TP, Rules, strategy_mesh
+from nnxscale.placement.catalogue import FSDP, TP
+from nnxscale.placement.rules import Rules, strategy_mesh
 from nnxscale.runtime.devices import emulate_devices
 from nnxscale.train.data import book_batches
 

@@ -22,7 +22,8 @@ import jax
 from nnxscale import Trainer, adamw, create, fsdp
 from nnxscale.analysis.hlo import collectives
 from nnxscale.core.memory import CompiledMemory
-from nnxscale.placement.rules import DP, FSDP, strategy_mesh
+from nnxscale.placement.catalogue import DP, FSDP
+from nnxscale.placement.rules import strategy_mesh
 from nnxscale.runtime.devices import emulate_devices
 from nnxscale.train.data import Batches, arithmetic_text, encode
 

@@ -33,7 +33,8 @@ def worker(steps: int) -> None:
     from nnxscale import Trainer
     from nnxscale.analysis.hlo import collectives
     from nnxscale.core.memory import CompiledMemory
-    from nnxscale.placement.rules import RULE_SETS, strategy_mesh
+    from nnxscale.placement.catalogue import RULE_SETS
+    from nnxscale.placement.rules import strategy_mesh
     from nnxscale.train.data import Batches, arithmetic_text, encode
 
     n = jax.device_count()

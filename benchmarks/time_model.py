@@ -40,8 +40,8 @@ def main() -> None:
 
     from nnxscale import Config, Trainer, costs, create, machine
     from nnxscale.evidence import gpu
+    from nnxscale.placement.catalogue import DP
     from nnxscale.placement.mesh import make_mesh
-    from nnxscale.placement.rules import DP
     from nnxscale.profiling.profiles import fastest_device
     from nnxscale.train.data import Batches, arithmetic_text, encode
 

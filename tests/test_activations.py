@@ -12,8 +12,8 @@ from nnxscale import Config, activations, create, moe
 from nnxscale.core.memory import residual_arrays
 from nnxscale.costs.formula import Formula
 from nnxscale.model.losses import next_token_loss
+from nnxscale.placement.catalogue import CP
 from nnxscale.placement.constraints import activation_rules
-from nnxscale.placement.rules import CP
 
 OTHER = dict(vocab=96, embed=48, heads=6, kv_heads=3, head_dim=8, mlp=80, layers=3)
 """Sizes the calibration never saw: none is one of its primes."""

@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 from nnxscale import TINY, create
-from nnxscale.placement.rules import DP, strategy_mesh
+from nnxscale.placement.catalogue import DP
+from nnxscale.placement.rules import strategy_mesh
 from nnxscale.train.agree import agreement, order_ulps
 from nnxscale.train.data import book_batches
 

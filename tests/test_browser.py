@@ -507,7 +507,7 @@ def library_answer(inputs: dict) -> tuple[str, object]:
     not divide the devices, ("reason", why) where the setup cannot run (virtual stages it
     cannot have among them), else ("cost", (the model's `Config`, its `StepCost`))."""
     from nnxscale import Config, calculator, costs
-    from nnxscale.placement.rules import STRATEGIES
+    from nnxscale.placement.catalogue import STRATEGIES
 
     mixture = {k: inputs[k] for k in ("experts", "top_k", "capacity_factor")}
     try:

@@ -34,7 +34,8 @@ from nnxscale import TINY, Checkpoints, Trainer, Transformer, adamw, cli, create
 from nnxscale.checkpoint import CorruptCheckpointError, SkippedCheckpointWarning
 from nnxscale.checkpoint.buckets import ObjectStorageError, location, this_machine
 from nnxscale.checkpoint.integrity import LOCK_FILE, DirectoryLockedError, checksums
-from nnxscale.placement.rules import DP, FSDP, TP, strategy_mesh
+from nnxscale.placement.catalogue import DP, FSDP, TP
+from nnxscale.placement.rules import strategy_mesh
 from nnxscale.train.data import book_batches
 
 from conftest import run_python

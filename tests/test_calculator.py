@@ -13,7 +13,7 @@ import pytest
 from test_browser import calculator_grid, library_answer
 
 from nnxscale import calculator, costs
-from nnxscale.placement.rules import STRATEGIES
+from nnxscale.placement.catalogue import STRATEGIES
 
 RUN = """
 globalThis.window = {};

@@ -42,10 +42,11 @@ from nnxscale.checkpoint import (
 from nnxscale.checkpoint.integrity import checksums, seal
 from nnxscale.model.losses import next_token_loss
 from nnxscale.parallelism.schedules import interleaved
+from nnxscale.placement.catalogue import DP, FSDP, TP
 from nnxscale.placement.init import abstract
 from nnxscale.placement.layout import Layout, resolve
 from nnxscale.placement.mesh import make_mesh
-from nnxscale.placement.rules import DP, FSDP, TP, strategy_mesh
+from nnxscale.placement.rules import strategy_mesh
 from nnxscale.runtime.devices import FAST_COMPILE
 from nnxscale.train import TrainState
 from nnxscale.train.data import Batches, book_batches

@@ -269,7 +269,7 @@ def cp_trainer(rules, devices=None, cfg=None):
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "rules", [nx.CP, nx.FSDP_CP, nx.rules.FSDP_CP_TP], ids=["CP", "FSDP+CP", "FSDP+CP+TP"]
+    "rules", [nx.CP, nx.FSDP_CP, nx.catalogue.FSDP_CP_TP], ids=["CP", "FSDP+CP", "FSDP+CP+TP"]
 )
 def test_the_transformer_trains_with_context_parallelism_as_on_one_device(rules) -> None:
     batches = nx.book_batches(8)

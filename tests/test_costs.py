@@ -30,9 +30,10 @@ from nnxscale.costs.planner import TOLERANCE
 from nnxscale.costs.steps import sizes_of
 from nnxscale.model import count_params
 from nnxscale.model.configs import LLAMA3_8B, LLAMA3_70B, MIXTRAL_8X7B
+from nnxscale.placement.catalogue import STRATEGIES
 from nnxscale.placement.init import abstract
 from nnxscale.placement.layout import resolve
-from nnxscale.placement.rules import STRATEGIES, strategy_mesh
+from nnxscale.placement.rules import strategy_mesh
 from nnxscale.runtime.devices import FAST_COMPILE, OPTIMIZED
 from nnxscale.train import compile_all
 from nnxscale.train.data import Batches, arithmetic_text, encode

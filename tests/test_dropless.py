@@ -183,7 +183,7 @@ def test_a_dropless_transformer_trains_as_on_one_device(name: str) -> None:
 
     batches = nx.book_batches(8)
     reference = dropless_trainer(nx.DP, 1).train(batches, 3)
-    losses = dropless_trainer(nx.rules.STRATEGIES[name]).train(batches, 3)
+    losses = dropless_trainer(nx.catalogue.STRATEGIES[name]).train(batches, 3)
     assert reference[-1] < reference[0]
     np.testing.assert_allclose(losses, reference, atol=1e-5)
 
@@ -395,7 +395,7 @@ def test_the_loads_are_summed_over_devices_and_micro_batches(name, micro_batches
     import nnxscale as nx
 
     batches = nx.book_batches(16)
-    trainer = bias_trainer(nx.rules.STRATEGIES[name], micro_batches=micro_batches)
+    trainer = bias_trainer(nx.catalogue.STRATEGIES[name], micro_batches=micro_batches)
     trainer.train(batches, 1)
     np.testing.assert_allclose(biases(trainer), first_step_bias(batches, 0.01), atol=1e-9)
 

@@ -78,7 +78,8 @@ from nnxscale.checkpoint import (
     SkippedCheckpointWarning,
 )
 from nnxscale.checkpoint.integrity import LOCK_FILE, DirectoryLockedError, checksums
-from nnxscale.placement.rules import DP, strategy_mesh
+from nnxscale.placement.catalogue import DP
+from nnxscale.placement.rules import strategy_mesh
 from nnxscale.runtime.devices import requested_devices
 from nnxscale.train import NonFiniteError
 from nnxscale.train.data import Batches, book_batches, encode

@@ -42,8 +42,8 @@ from nnxscale.parallelism.schedules import (
     zero_bubble,
     zero_bubble_formula,
 )
+from nnxscale.placement.catalogue import FSDP, TP
 from nnxscale.placement.mesh import make_mesh
-from nnxscale.placement.rules import FSDP, TP
 from nnxscale.runtime.events import Start
 
 matplotlib.use("Agg")
@@ -265,7 +265,7 @@ def test_the_dispatch_is_drawn_from_the_routing() -> None:
 def test_the_ledger_draws_four_parts_per_setup_from_the_cost_model() -> None:
     from nnxscale import costs
     from nnxscale.figures import plot_ledger
-    from nnxscale.placement.rules import STRATEGIES
+    from nnxscale.placement.catalogue import STRATEGIES
 
     on = {"data": 8}
     setups = {n: costs.Setup.of(STRATEGIES[n], on, 1, "full") for n in ("DP", "ZeRO-2", "FSDP")}
@@ -283,9 +283,9 @@ def test_the_ledger_draws_four_parts_per_setup_from_the_cost_model() -> None:
 def test_an_n_dimensional_layout_is_drawn_as_a_matrix_of_whole_shards(mesh) -> None:
     from nnxscale import TINY, create
     from nnxscale.figures import matrix_view, plot_layouts
+    from nnxscale.placement.catalogue import TP
     from nnxscale.placement.init import abstract
     from nnxscale.placement.layout import resolve
-    from nnxscale.placement.rules import TP
 
     layout = resolve(abstract(lambda: create(TINY)), TP, mesh)
     query = layout.array_at("blocks/0/attention/query")  # (embed, heads, head_dim)
@@ -330,8 +330,8 @@ def test_rule_sets_cut_one_weight_on_their_own_meshes() -> None:
 
     from nnxscale import TINY, create
     from nnxscale.figures import plot_rule_sets
+    from nnxscale.placement.catalogue import FSDP, TP
     from nnxscale.placement.init import abstract
-    from nnxscale.placement.rules import FSDP, TP
 
     shapes = abstract(lambda: create(TINY))
     fig = plot_rule_sets(shapes, {"FSDP": FSDP, "TP": TP}, "blocks/0/mlp/up")
@@ -378,8 +378,8 @@ def test_init_memory_draws_device_0_alone_against_every_device_s_shards() -> Non
     from nnxscale import Config, create
     from nnxscale.core.memory import CompiledMemory
     from nnxscale.figures import plot_init_memory
+    from nnxscale.placement.catalogue import FSDP
     from nnxscale.placement.init import InitPrograms
-    from nnxscale.placement.rules import FSDP
 
     small = Config(vocab=16, embed=8, heads=2, head_dim=4, mlp=16, layers=1, max_len=8)
     programs = InitPrograms.compile(lambda: create(small), FSDP)
@@ -398,7 +398,7 @@ def test_init_memory_draws_device_0_alone_against_every_device_s_shards() -> Non
 def test_zero_stages_stack_each_role_s_bytes_per_rule_set() -> None:
     from nnxscale import Config, create
     from nnxscale.figures import plot_zero_stages
-    from nnxscale.placement.rules import DP, FSDP, ZERO1, ZERO2
+    from nnxscale.placement.catalogue import DP, FSDP, ZERO1, ZERO2
     from nnxscale.train import role_bytes
 
     small = Config(vocab=16, embed=8, heads=2, head_dim=4, mlp=16, layers=1, max_len=8)
@@ -429,9 +429,10 @@ def test_tensor_parallel_mlp_is_drawn_from_the_layout() -> None:
 
     from nnxscale import TINY, create
     from nnxscale.figures import plot_tensor_parallel_mlp
+    from nnxscale.placement.catalogue import TP
     from nnxscale.placement.init import abstract
     from nnxscale.placement.layout import resolve
-    from nnxscale.placement.rules import TP, strategy_mesh
+    from nnxscale.placement.rules import strategy_mesh
 
     layout = resolve(nnx.state(abstract(lambda: create(TINY))), TP, strategy_mesh(TP))
     fig = plot_tensor_parallel_mlp(layout, rows=16)
@@ -475,7 +476,7 @@ def test_the_links_each_axis_crosses_are_drawn_from_the_recorded_report() -> Non
 
 def test_sequence_parallelism_joins_its_regions_as_its_rules_say() -> None:
     from nnxscale.figures import plot_sequence_parallel
-    from nnxscale.placement.rules import SP, TP
+    from nnxscale.placement.catalogue import SP, TP
 
     fig = plot_sequence_parallel([TP, SP], model=4)
     tp, sp = ([t.get_text() for t in ax.texts] for ax in fig.axes)

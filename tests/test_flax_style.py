@@ -386,7 +386,7 @@ def test_path_rules_take_the_longest_match_and_refuse_a_tie() -> None:
 
 
 def test_the_vocabulary_names_every_logical_axis_of_the_book() -> None:
-    used = {name for rules in nx.rules.STRATEGIES.values() for name in rules.logical}
+    used = {name for rules in nx.catalogue.STRATEGIES.values() for name in rules.logical}
     assert used <= set(nx.naming.VOCABULARY), used - set(nx.naming.VOCABULARY)
     assert set(nx.naming.VOCABULARY) - used == set()
 

@@ -289,7 +289,7 @@ def test_layout_prints_as_text() -> None:
 
 
 def test_every_strategy_of_the_table_builds_its_mesh() -> None:
-    assert set(nx.rules.STRATEGIES) == {
+    assert set(nx.catalogue.STRATEGIES) == {
         "DP",
         "ZeRO-1",
         "ZeRO-2",
@@ -315,7 +315,7 @@ def test_every_strategy_of_the_table_builds_its_mesh() -> None:
         "PP+ZeRO-1+TP",
     }
     assert set(nx.RULE_SETS) == {"DP", "FSDP", "TP", "FSDP+TP"}
-    shapes = {name: dict(nx.strategy_mesh(r).shape) for name, r in nx.rules.STRATEGIES.items()}
+    shapes = {name: dict(nx.strategy_mesh(r).shape) for name, r in nx.catalogue.STRATEGIES.items()}
     assert shapes["TP"] == {"data": 4, "model": 2} and shapes["FSDP"] == {"data": 8, "model": 1}
     assert shapes["PP"] == {"stage": 8} and shapes["PP+FSDP"] == {"stage": 4, "fsdp": 2}
     assert shapes["HSDP"] == {"replica": 2, "data": 4} and shapes["ZeRO-1"] == shapes["FSDP"]

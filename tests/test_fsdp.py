@@ -11,7 +11,8 @@ from jax.ad_checkpoint import checkpoint_name
 from nnxscale import TINY, Trainer, adamw, comm, create, fsdp
 from nnxscale.analysis.hlo import collectives
 from nnxscale.core.memory import CompiledMemory
-from nnxscale.placement.rules import DP, FSDP, strategy_mesh
+from nnxscale.placement.catalogue import DP, FSDP
+from nnxscale.placement.rules import strategy_mesh
 from nnxscale.train import loss_and_grads
 from nnxscale.train.data import book_batches
 

@@ -14,6 +14,7 @@ from jax.sharding import PartitionSpec as P
 from nnxscale import TINY, Config, create
 from nnxscale.analysis.hlo import largest_array
 from nnxscale.core.memory import CompiledMemory, device_bytes
+from nnxscale.placement.catalogue import FSDP, RULE_SETS
 from nnxscale.placement.init import (
     InitPrograms,
     abstract,
@@ -22,7 +23,7 @@ from nnxscale.placement.init import (
     draws_by_split,
     init_sharded,
 )
-from nnxscale.placement.rules import FSDP, RULE_SETS, strategy_mesh
+from nnxscale.placement.rules import strategy_mesh
 
 # Each sharded init compiles for about 3 s (XLA's CPU backend, one random-normal call site per
 # parameter), so the matrix is: FSDP on 1, 2, 4 and 8 devices; every rule set on 8.

@@ -7,7 +7,7 @@ import pytest
 
 from nnxscale import costs
 from nnxscale.model.configs import LLAMA3_8B, LLAMA3_405B
-from nnxscale.placement.rules import STRATEGIES
+from nnxscale.placement.catalogue import STRATEGIES
 
 DP = STRATEGIES["DP"]
 

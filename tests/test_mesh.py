@@ -6,8 +6,9 @@ import jax
 import pytest
 from jax.sharding import AxisType
 
+from nnxscale.placement.catalogue import DP, FSDP, FSDP_TP, TP
 from nnxscale.placement.mesh import grid_shape, hybrid_mesh, make_mesh
-from nnxscale.placement.rules import DP, FSDP, FSDP_TP, TP, strategy_mesh
+from nnxscale.placement.rules import strategy_mesh
 
 
 @pytest.mark.parametrize(

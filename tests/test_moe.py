@@ -164,7 +164,7 @@ def test_one_step_under_expert_parallelism_equals_one_device(name) -> None:
         return loss, [b - a for a, b in zip(weights(), before, strict=True)]
 
     (loss, grads), (ref_loss, ref_grads) = (
-        weights_moved(nx.rules.STRATEGIES[name]),
+        weights_moved(nx.catalogue.STRATEGIES[name]),
         weights_moved(nx.DP, 1),
     )
     # the same weights route the same way: float32 rounding, relative to the largest entry

@@ -10,7 +10,7 @@ import pytest
 from nnxscale import Checkpoints, cli, events, launch
 from nnxscale.checkpoint.multi import bytes_written, planned
 from nnxscale.costs import crossing
-from nnxscale.placement.rules import FSDP_TP
+from nnxscale.placement.catalogue import FSDP_TP
 
 
 def test_each_process_owns_a_run_of_devices_and_loads_their_rows() -> None:

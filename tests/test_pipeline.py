@@ -21,9 +21,10 @@ from nnxscale.parallelism.schedules import (
     zero_bubble,
     zero_bubble_v,
 )
+from nnxscale.placement.catalogue import DP
 from nnxscale.placement.layout import resolve
 from nnxscale.placement.rounds import group_layers, layer_rounds
-from nnxscale.placement.rules import DP, strategy_mesh
+from nnxscale.placement.rules import strategy_mesh
 from nnxscale.train import loss_and_grads
 from nnxscale.train.agree import order_ulps
 from nnxscale.train.data import book_batches

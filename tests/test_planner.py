@@ -9,7 +9,7 @@ import pytest
 from nnxscale import TINY, costs, plan, planner
 from nnxscale.evidence import runs, table
 from nnxscale.model.configs import LLAMA3_8B, LLAMA3_405B
-from nnxscale.placement.rules import STRATEGIES
+from nnxscale.placement.catalogue import STRATEGIES
 
 
 @pytest.fixture(scope="module")

@@ -52,7 +52,7 @@ FACE = {id(getattr(nx, name)) for name in nx.__all__}
 
 def offered(module: types.ModuleType) -> set[str]:
     """The names a namespace of the face offers: a package its `__all__`, a leaf module what
-    it defines; never a name of the face itself (`nx.FSDP`, not `nx.rules.FSDP`)."""
+    it defines; never a name of the face itself (`nx.FSDP`, not `nx.catalogue.FSDP`)."""
     if module is nx:
         return set(nx.__all__) | set(SHORT) | FACE_EXTRAS
     names = set(module.__all__) if hasattr(module, "__path__") else defined_in(module)

@@ -10,24 +10,11 @@ import pytest
 from flax import nnx
 
 from nnxscale import TINY, Config, create
+from nnxscale.placement.catalogue import CP, DP, FSDP, FSDP_TP, HSDP, PP, RULE_SETS, TP, ZERO2
 from nnxscale.placement.init import abstract
 from nnxscale.placement.layout import largest_divisible_dim, resolve
 from nnxscale.placement.mesh import make_mesh
-from nnxscale.placement.rules import (
-    CP,
-    DP,
-    FSDP,
-    FSDP_TP,
-    HSDP,
-    PP,
-    RULE_SETS,
-    TP,
-    ZERO2,
-    RuleError,
-    Rules,
-    auto_fsdp,
-    compare,
-)
+from nnxscale.placement.rules import RuleError, Rules, auto_fsdp, compare
 
 GOLDEN = Path(__file__).parent / "golden"
 MESHES = {"DP": (8, 1), "FSDP": (8, 1), "TP": (4, 2), "FSDP+TP": (4, 2)}
@@ -172,7 +159,8 @@ def test_random_key_state_is_placed_like_any_scalar() -> None:
 def test_zero_stages_keep_their_roles_whole():
     import optax
 
-    from nnxscale.placement.rules import HSDP, ZERO1, ZERO2, role_of
+    from nnxscale.placement.catalogue import HSDP, ZERO1, ZERO2
+    from nnxscale.placement.rules import role_of
     from nnxscale.train import TrainState
 
     assert role_of("optimizer/opt_state/0/mu/embed") == "optimizer"
@@ -219,7 +207,7 @@ def test_a_weight_is_read_gathered_over_the_token_axes_only() -> None:
 
 
 def test_axes_of_flattens_a_logical_axis_candidates() -> None:
-    from nnxscale.placement.rules import FSDP_TP, HSDP, PP_FSDP_TP
+    from nnxscale.placement.catalogue import FSDP_TP, HSDP, PP_FSDP_TP
 
     assert FSDP_TP.axes_of("mlp") == ("model", "data")
     assert HSDP.axes_of("batch") == ("replica", "data")

@@ -15,9 +15,10 @@ from nnxscale.analysis.hlo import collectives
 from nnxscale.core.memory import CompiledMemory, device_bytes
 from nnxscale.core.trees import largest_difference
 from nnxscale.model.losses import cross_entropy
+from nnxscale.placement.catalogue import DP, FSDP, FSDP_TP, TP
 from nnxscale.placement.compiling import two_at_a_time
 from nnxscale.placement.mesh import AxisTypeError
-from nnxscale.placement.rules import DP, FSDP, FSDP_TP, TP, strategy_mesh
+from nnxscale.placement.rules import strategy_mesh
 from nnxscale.train import loss_and_grads, params_by_path, unreduced_grads
 from nnxscale.train.agree import agreement
 from nnxscale.train.data import Batches, arithmetic_text, encode
@@ -193,8 +194,8 @@ def test_one_options_object_reaches_the_step() -> None:
 def test_role_bytes_split_what_each_zero_stage_splits() -> None:
     from nnxscale import Config
     from nnxscale.model import count_params
+    from nnxscale.placement.catalogue import ZERO1, ZERO2
     from nnxscale.placement.init import abstract
-    from nnxscale.placement.rules import ZERO1, ZERO2
     from nnxscale.train import role_bytes
 
     small = Config(vocab=16, embed=8, heads=2, head_dim=4, mlp=16, layers=1, max_len=8)
@@ -223,8 +224,8 @@ def test_role_bytes_split_what_each_zero_stage_splits() -> None:
 def test_role_bytes_plan_for_devices_this_machine_has_not() -> None:
     from nnxscale import Config
     from nnxscale.model import count_params
+    from nnxscale.placement.catalogue import ZERO2
     from nnxscale.placement.init import abstract
-    from nnxscale.placement.rules import ZERO2
     from nnxscale.train import role_bytes
 
     small = Config(vocab=64, embed=32, heads=2, head_dim=16, mlp=64, layers=1, max_len=8)
@@ -304,7 +305,7 @@ def test_a_trainer_resolves_its_rules_once(factory: bool, monkeypatch: pytest.Mo
     gradients apart from parameters (ZeRO-2), every gradient: the same specs a separate
     resolution for the gradients' role gives."""
     from nnxscale.placement import layout
-    from nnxscale.placement.rules import ZERO2
+    from nnxscale.placement.catalogue import ZERO2
 
     made = []
     original = layout.Layout.__init__

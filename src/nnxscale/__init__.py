@@ -31,6 +31,7 @@ from nnxscale.model.transformer import TINY, Config, Transformer, create
 from nnxscale.parallelism import fsdp, pipeline, schedules
 from nnxscale.placement import (
     annotations,
+    catalogue,
     compiling,
     constraints,
     init,
@@ -41,10 +42,7 @@ from nnxscale.placement import (
     rules,
 )
 from nnxscale.placement.annotations import mesh_axis_rules
-from nnxscale.placement.init import abstract, init_sharded, shard
-from nnxscale.placement.layout import resolve
-from nnxscale.placement.mesh import make_mesh
-from nnxscale.placement.rules import (
+from nnxscale.placement.catalogue import (
     CP,
     DP,
     EP,
@@ -60,10 +58,11 @@ from nnxscale.placement.rules import (
     TP,
     ZERO1,
     ZERO2,
-    Rules,
-    auto_fsdp,
-    strategy_mesh,
 )
+from nnxscale.placement.init import abstract, init_sharded, shard
+from nnxscale.placement.layout import resolve
+from nnxscale.placement.mesh import make_mesh
+from nnxscale.placement.rules import Rules, auto_fsdp, strategy_mesh
 from nnxscale.profiling import diagnose, machine, overlap, profiles
 from nnxscale.runtime import devices, events, launch, preemption
 from nnxscale.runtime.devices import emulate_devices
@@ -119,11 +118,10 @@ __all__ = [
 ]
 
 MODULES = (
-    activations, agree, annotations, calculator, checkpoint, cli, comm, compiling, configs,
-    constraints, context, costs, data, devices, diagnose, dropless, environment, events,
-    evidence, figures, formula, fsdp, growth, hlo, init, integrity, launch, layout, losses,
-    machine, memory, mesh, model, moe, multi, naming, overlap, params, pipeline, planner,
-    preemption, problems, profiles, program, rounds, rules, schedules, show, steered, train,
-    trees,
+    activations, agree, annotations, calculator, catalogue, checkpoint, cli, comm, compiling,
+    configs, constraints, context, costs, data, devices, diagnose, dropless, environment, events,
+    evidence, figures, formula, fsdp, growth, hlo, init, integrity, launch, layout, losses, machine,
+    memory, mesh, model, moe, multi, naming, overlap, params, pipeline, planner, preemption,
+    problems, profiles, program, rounds, rules, schedules, show, steered, train, trees,
 )  # fmt: skip
 """The modules, each reached as `nx.<module>`: the rest of the library, spelled with its home."""

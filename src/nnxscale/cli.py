@@ -44,8 +44,9 @@ from nnxscale.checkpoint.integrity import checksums
 from nnxscale.checkpoint.records import PARTIAL
 from nnxscale.checkpoint.store import Checkpoints
 from nnxscale.model.transformer import TINY, Transformer, create
+from nnxscale.placement.catalogue import RULE_SETS, STRATEGIES
 from nnxscale.placement.mesh import hybrid_mesh, make_mesh
-from nnxscale.placement.rules import RULE_SETS, STRATEGIES, strategy_mesh
+from nnxscale.placement.rules import strategy_mesh
 from nnxscale.runtime import events, launch
 from nnxscale.runtime.devices import emulate_devices
 from nnxscale.runtime.launch import COORDINATOR, initialize

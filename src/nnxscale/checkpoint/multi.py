@@ -16,7 +16,8 @@ import numpy as np
 import tensorstore as ts
 
 from nnxscale.checkpoint.store import Checkpoints
-from nnxscale.placement.rules import FSDP, Rules
+from nnxscale.placement.catalogue import FSDP
+from nnxscale.placement.rules import Rules
 from nnxscale.runtime.events import Start
 
 

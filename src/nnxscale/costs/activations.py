@@ -47,8 +47,8 @@ from nnxscale.costs.counts import mixture_problem
 from nnxscale.costs.formula import Formula
 from nnxscale.model.losses import next_token_loss
 from nnxscale.model.transformer import Config, create, remat_policy
+from nnxscale.placement.catalogue import CONTEXT, CP, SP
 from nnxscale.placement.constraints import activation_rules
-from nnxscale.placement.rules import CONTEXT, CP, SP
 
 GROUPS = 43
 """Query heads per key/value head in the traced model: `heads` is `kv_heads` x 43."""

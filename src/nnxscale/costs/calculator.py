@@ -35,7 +35,8 @@ from nnxscale.costs.steps import HIDDEN
 from nnxscale.model.configs import LLAMA3_8B
 from nnxscale.model.context import BLOCK
 from nnxscale.model.transformer import Config
-from nnxscale.placement.rules import STRATEGIES, Rules
+from nnxscale.placement.catalogue import STRATEGIES
+from nnxscale.placement.rules import Rules
 
 DTYPE = "bfloat16"
 """The compute dtype the calculator prices: what large models train in."""

@@ -25,7 +25,7 @@ from nnxscale.costs.derive import derive
 from nnxscale.costs.hardware import HARDWARE
 from nnxscale.costs.steps import within
 from nnxscale.model.transformer import TINY
-from nnxscale.placement.rules import STRATEGIES
+from nnxscale.placement.catalogue import STRATEGIES
 from nnxscale.runtime import events
 
 SHOWN = ("HSDP", "HSDP+TP")

@@ -33,7 +33,8 @@ from nnxscale.costs.hardware import Hardware, hardware, shared
 from nnxscale.costs.steps import StepCost, step_cost
 from nnxscale.costs.suitable import unsuitable
 from nnxscale.model.transformer import Config
-from nnxscale.placement.rules import STRATEGIES, Rules
+from nnxscale.placement.catalogue import STRATEGIES
+from nnxscale.placement.rules import Rules
 
 TOLERANCE = (0.7, 1.3)
 """How far a compiled step's peak memory may lie from the ledger's prediction (compiled /

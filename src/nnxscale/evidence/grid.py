@@ -36,7 +36,7 @@ from nnxscale.costs.planner import HEADROOM
 from nnxscale.costs.steps import step_cost
 from nnxscale.costs.suitable import unsuitable
 from nnxscale.model.transformer import Config
-from nnxscale.placement.rules import STRATEGIES
+from nnxscale.placement.catalogue import STRATEGIES
 
 SEQ, BATCH, GPUS_PER_NODE = 4096, 256, 8
 """The grid's sequence length and batch (sequences a step), and its nodes' GPUs."""

@@ -12,7 +12,7 @@ from nnxscale.costs.activations import kept
 from nnxscale.costs.counts import Setup, sizes_of
 from nnxscale.costs.formula import Formula
 from nnxscale.model.transformer import Config
-from nnxscale.placement.rules import DP
+from nnxscale.placement.catalogue import DP
 
 KORTHIKANTI = {
     "attention, linear in s": (11, 0),

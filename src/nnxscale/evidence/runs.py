@@ -26,7 +26,7 @@ from nnxscale.costs.hardware import Hardware, hardware
 from nnxscale.costs.steps import StepCost, efficiency_where, step_cost
 from nnxscale.costs.suitable import unsuitable
 from nnxscale.model.transformer import Config
-from nnxscale.placement.rules import STRATEGIES
+from nnxscale.placement.catalogue import STRATEGIES
 
 QUANTITIES = (
     "TFLOP/s per device",

@@ -14,9 +14,10 @@ from nnxscale.checkpoint.restoring import chunks_read
 from nnxscale.figures.drawing import box
 from nnxscale.figures.layouts import plot_sharding, shard_blocks
 from nnxscale.model.transformer import Config, create
+from nnxscale.placement.catalogue import FSDP, TP
 from nnxscale.placement.init import abstract
 from nnxscale.placement.layout import ReplicationWarning, resolve
-from nnxscale.placement.rules import FSDP, TP, Rules, strategy_mesh
+from nnxscale.placement.rules import Rules, strategy_mesh
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes

@@ -30,9 +30,10 @@ from jax.sharding import Mesh, PartitionSpec
 from nnxscale.analysis.comm import GATHERED, gather_tree
 from nnxscale.model.losses import GradsFn
 from nnxscale.model.transformer import Config, Transformer, create
+from nnxscale.placement.catalogue import FSDP
 from nnxscale.placement.init import abstract
 from nnxscale.placement.layout import resolve
-from nnxscale.placement.rules import FSDP, Rules
+from nnxscale.placement.rules import Rules
 
 
 @dataclasses.dataclass(frozen=True)

@@ -46,10 +46,11 @@ from nnxscale.parallelism.schedules import (
     simulate,
     split_layers,
 )
+from nnxscale.placement.catalogue import FSDP_AXIS, PP, PP_FSDP, STAGE
 from nnxscale.placement.layout import resolve
 from nnxscale.placement.mesh import make_mesh
 from nnxscale.placement.rounds import group_layers, layer_rounds
-from nnxscale.placement.rules import FSDP_AXIS, PP, PP_FSDP, STAGE, Rules
+from nnxscale.placement.rules import Rules
 
 IDLE = 0
 """Branch 0 of every tick table: nothing to compute this tick."""
