@@ -157,3 +157,36 @@ def test_the_architecture_names_every_layer_in_order() -> None:
     rows = [m for m in (f"| `{name}` |" for name in LAYERS) if m in text]
     assert rows == [f"| `{name}` |" for name in LAYERS]
     assert [text.index(row) for row in rows] == sorted(text.index(row) for row in rows)
+
+
+DERIVATION = {
+    "nnxscale.costs.arrays": "place",
+    "nnxscale.costs.moves": "move",
+    "nnxscale.costs.ledgers": "hold",
+    "nnxscale.costs.derive": "assemble",
+}
+"""The cost derivation's stages, in order; moving and holding both read the placement."""
+STAGE_ORDER = {"place": 0, "move": 1, "hold": 1, "assemble": 2}
+
+
+def backward(name: str, reached: set[str]) -> list[str]:
+    """The stages `name` imports that are not before its own."""
+    rank = STAGE_ORDER[DERIVATION[name]]
+    return sorted(
+        m for m in reached & DERIVATION.keys() if m != name and STAGE_ORDER[DERIVATION[m]] >= rank
+    )
+
+
+def test_a_stage_calling_back_is_found() -> None:
+    assert backward("nnxscale.costs.arrays", {"nnxscale.costs.moves"}) == ["nnxscale.costs.moves"]
+    assert backward("nnxscale.costs.moves", {"nnxscale.costs.ledgers"}) == [
+        "nnxscale.costs.ledgers"
+    ]
+    assert backward("nnxscale.costs.derive", set(DERIVATION)) == []
+
+
+@pytest.mark.parametrize("name", list(DERIVATION))
+def test_each_stage_of_the_cost_derivation_reads_only_the_stages_before_it(name: str) -> None:
+    """Place, then move and hold (side by side), then assemble: no stage imports a later
+    one or its sibling, so none calls back into another."""
+    assert not backward(name, imports(modules()[name]))

@@ -1,6 +1,6 @@
 """Costs: every strategy's memory, traffic and time as formulas; the planner; the calculator."""
 
-from nnxscale.costs.arrays import OVERLAPS, PARAMETER_PRIMES, Transfer
+from nnxscale.costs.arrays import PARAMETER_PRIMES
 from nnxscale.costs.counts import (
     DTYPE_BYTES,
     LEDGERS,
@@ -37,6 +37,7 @@ from nnxscale.costs.hardware import (
     hardware,
     shared,
 )
+from nnxscale.costs.moves import OVERLAPS, Transfer
 from nnxscale.costs.steps import (
     HIDDEN,
     LEDGER_PARTS,

@@ -1,5 +1,13 @@
-"""Each array of the abstract model placed by a rule set on a mesh of size-1 axes: which mesh
-axes split which dimension, and the weights a step gathers, as formulas."""
+"""The derivation's first stage, placing: each array of the abstract model placed by a rule set
+on a mesh of size-1 axes (which mesh axes split which dimension), and the facts every later
+stage reads off that layout (`Placement`): the axes that split the tokens, a context ring's
+axis, a pipeline's stage axis, the tensor-parallel axes of each product, and how an array
+of any shape is split as an activation or as a weight's read copy.
+
+The stages run one way: place (here); then move (`nnxscale.costs.moves`: the collectives)
+and hold (`nnxscale.costs.ledgers`: the bytes each device keeps), each reading a
+`Placement`; then assemble (`nnxscale.costs.derive`: one `Costs` per rule set). No stage
+calls a later one."""
 
 from __future__ import annotations
 
@@ -20,46 +28,6 @@ from nnxscale.placement.constraints import ROUTED, activation_axes, weight_axes
 from nnxscale.placement.init import abstract
 from nnxscale.placement.layout import resolve
 from nnxscale.placement.rules import RuleError, Rules
-
-
-@dataclasses.dataclass(frozen=True)
-class Transfer:
-    """One group of collectives of a step, as formulas: of `kind` over mesh `axes`, the bytes
-    of the arrays one pass moves (the P of the ring formulas, summed), how many passes a step
-    makes, how many collectives a pass launches, and what compute it may hide behind
-    (`OVERLAPS`). `what` says what it moves."""
-
-    kind: str
-    axes: tuple[str, ...]
-    array: Formula
-    passes: Formula
-    launches: Formula
-    overlap: str
-    what: str
-
-    def json(self) -> dict[str, object]:
-        """As JSON, for the calculator."""
-        return {
-            "kind": self.kind,
-            "axes": list(self.axes),
-            "array": self.array.json(),
-            "passes": self.passes.json(),
-            "launches": self.launches.json(),
-            "overlap": self.overlap,
-            "what": self.what,
-        }
-
-
-OVERLAPS = {
-    "gather": "FSDP's weight gathers: prefetched, each behind the previous layer's compute",
-    "reduce": "gradient reductions: each layer's behind the backward pass of the layers below",
-    "update": "ZeRO's gather of updated parameters: at the step's end, with nothing left to "
-    "hide behind (one compiled step cannot prefetch into the next)",
-    "ring": "ring attention's key/value hops: each behind the attention of the block in hand",
-    "blocking": "on the critical path: the next product needs the result (TP's all-reduces, "
-    "unless a collective matmul splits them; pipeline hops)",
-}
-"""What each class of collective can hide behind, given the step's dependencies."""
 
 
 def _unit_mesh(rules: Rules) -> AbstractMesh:
@@ -112,16 +80,120 @@ class PlacedArray:
         return (self.elements * itemsize).per(a for axes in self.axes[role] for a in axes)
 
 
-_ARRAYS: dict[tuple[str, bool], list[PlacedArray]] = {}
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    """A rule set's layout of the abstract model, dense or with a mixture of experts
+    (`placed`), and the facts the later stages read off it, each found once."""
+
+    rules: Rules
+    arrays: tuple[PlacedArray, ...]
+    tokens: frozenset[str]
+    """The mesh axes that split the tokens (`Rules.token_axes`): gradients are summed over
+    them, and weights split over them are gathered."""
+    ring: str | None
+    """The axis, other than the batch's, that splits the sequence (a context ring)."""
+    stage: str | None
+    """The axis that splits the stacked layers (a pipeline's stages)."""
+
+    def split(
+        self, formula: Formula, *, weights: bool = False, sequence: str = "length"
+    ) -> Formula:
+        """`formula` (bytes of whole arrays, one term per kind of array) as one device holds
+        it: each term divided by the sizes of the mesh axes the rule set splits its
+        dimensions over, as an activation (its `seq` placed as the logical axis `sequence`),
+        or as the read copy of a weight (`weight_axes`). A term names each dimension once,
+        so an array that repeats an axis across two of them (a mixture's slots, split by
+        group and by expert) is split once, not refused as a strict rule set would."""
+        rules = dataclasses.replace(self.rules, strict=False)
+        mesh, out = _unit_mesh(rules), Formula()
+        logical = {**LOGICAL, "seq": sequence}
+        for powers, coefficient in formula.terms.items():
+            names = _order([logical.get(n, n) for n, p in powers for _ in range(p)])
+            shape = (1,) * len(names)
+            if weights:
+                axes = weight_axes(shape, names, rules, mesh)[1]
+            else:
+                axes = activation_axes(shape, names, rules, mesh)
+            out += Formula({powers: coefficient}).per(a for dim in axes if dim for a in dim)
+        return out
+
+    def split_kept(self, formula: Formula, stream: Formula) -> Formula:
+        """`split` for activations of which `stream` lies on the residual stream: that part
+        split along the sequence as `residual_length` (Megatron's sequence parallelism), the
+        rest as `length`."""
+        return self.split(formula - stream) + self.split(stream, sequence="residual_length")
+
+    def local(self, formula: Formula) -> Formula:
+        """A ring's kept blocks, already per device along the sequence (in `chunk`), split
+        over the other axes as activations are, with `chunk` as `seq / context`."""
+        return (
+            self.split(formula)
+            .replace("chunk", {"seq": 1, self.ring: -1})
+            .replace("context", {self.ring: 1})
+        )
+
+    def ordered(self, axes: Iterable[str]) -> tuple[str, ...]:
+        """`axes` in the rule set's mesh order."""
+        found = set(axes)
+        return tuple(a for a in self.rules.axes if a in found)
+
+    def tensor(self, name: str) -> tuple[str, ...]:
+        """The mesh axes, other than the tokens', that split dimension `name` of the
+        weights: the axes over which the products that contract it are tensor-parallel."""
+        for array in self.arrays:
+            for dim, axes in zip(array.names, array.axes["params"], strict=True):
+                if dim == name and axes and name in ("heads", "mlp", "vocab"):
+                    return self.ordered(a for a in axes if a not in self.tokens)
+        return ()
+
+    def stored_over_tokens(self, array: PlacedArray) -> bool:
+        """Whether the tokens' axes split any dimension of `array`'s stored parameter."""
+        return bool(self.tokens & {x for d in array.axes["params"] for x in d})
+
+    def gathered(self, array: PlacedArray) -> Formula:
+        """The elements of `array` one device reads once FSDP gathers it over the tokens'
+        axes: split only by the other axes, a mixture's experts still by their own."""
+        return array.elements.per(
+            x
+            for name, d in zip(array.names, array.axes["params"], strict=True)
+            for x in d
+            if name in ROUTED or x not in self.tokens
+        )
 
 
-def arrays_of(rules: Rules, moe: bool) -> list[PlacedArray]:
-    """Every parameter of the model with its axes under `rules`, for each role (resolved once
-    per rule set)."""
+_PLACED: dict[tuple[str, bool], Placement] = {}
+
+
+def placed(rules: Rules, moe: bool) -> Placement:
+    """Every parameter of the model with its axes under `rules`, for each role, and what the
+    later stages read off that layout (found once per rule set and MLP)."""
     key = (rules.key, moe)
-    if key not in _ARRAYS:
-        _ARRAYS[key] = _resolved_arrays(rules, moe)
-    return _ARRAYS[key]
+    if key not in _PLACED:
+        arrays = tuple(_resolved_arrays(rules, moe))
+        tokens = frozenset(rules.token_axes(rules.axes))
+        _PLACED[key] = Placement(rules, arrays, tokens, context_axis(rules), _stage_axis(arrays))
+    return _PLACED[key]
+
+
+def context_axis(rules: Rules) -> str | None:
+    """The mesh axis, other than the batch's, that `rules` split the sequence over (a ring)."""
+    batch = set(rules.token_axes(())) | {
+        a for c in rules.logical.get("batch", ()) for a in ((c,) if isinstance(c, str) else c)
+    }
+    for candidate in rules.logical.get("length", ()):
+        for axis in (candidate,) if isinstance(candidate, str) else candidate:
+            if axis not in batch:
+                return axis
+    return None
+
+
+def _stage_axis(arrays: Iterable[PlacedArray]) -> str | None:
+    """The mesh axis that splits the stacked layers (a pipeline's stages), if any."""
+    for a in arrays:
+        for name, axes in zip(a.names, a.axes["params"], strict=True):
+            if name == "layers" and axes:
+                return axes[0]
+    return None
 
 
 def _resolved_arrays(rules: Rules, moe: bool) -> list[PlacedArray]:
@@ -163,36 +235,6 @@ def _order(names: list[str]) -> tuple[str, ...]:
     return tuple(sorted(names, key=lambda n: rank.get(n, 2)))
 
 
-def split_by(
-    formula: Formula, rules: Rules, *, weights: bool = False, sequence: str = "length"
-) -> Formula:
-    """`formula` (bytes of whole arrays, one term per kind of array) as one device holds it:
-    each term divided by the sizes of the mesh axes that `rules` split its dimensions over,
-    as an activation (its `seq` placed as the logical axis `sequence`), or as the read copy
-    of a weight (`weight_axes`). A term names each dimension once, so an array that repeats
-    an axis across two of them (a mixture's slots, split by group and by expert) is split
-    once, not refused as a strict rule set would."""
-    mesh, out = _unit_mesh(rules), Formula()
-    rules = dataclasses.replace(rules, strict=False)
-    logical = {**LOGICAL, "seq": sequence}
-    for powers, coefficient in formula.terms.items():
-        names = _order([logical.get(n, n) for n, p in powers for _ in range(p)])
-        shape = (1,) * len(names)
-        if weights:
-            axes = weight_axes(shape, names, rules, mesh)[1]
-        else:
-            axes = activation_axes(shape, names, rules, mesh)
-        out += Formula({powers: coefficient}).per(a for dim in axes if dim for a in dim)
-    return out
-
-
-def split_kept(formula: Formula, stream: Formula, rules: Rules) -> Formula:
-    """`split_by` for activations of which `stream` lies on the residual stream: that part
-    split along the sequence as `residual_length` (Megatron's sequence parallelism), the
-    rest as `length`."""
-    return split_by(formula - stream, rules) + split_by(stream, rules, sequence="residual_length")
-
-
 def per_micro_batch(formula: Formula) -> Formula:
     """`formula` in `batch` (sequences per step) for one of `micro` micro-batches."""
     out = Formula()
@@ -200,63 +242,3 @@ def per_micro_batch(formula: Formula) -> Formula:
         term = Formula({powers: coefficient})
         out += term / "micro" if "batch" in dict(powers) else term
     return out
-
-
-def ordered(axes: Iterable[str], rules: Rules) -> tuple[str, ...]:
-    found = set(axes)
-    return tuple(a for a in rules.axes if a in found)
-
-
-def tensor_axes(arrays: list[PlacedArray], name: str, rules: Rules) -> tuple[str, ...]:
-    """The mesh axes, other than the tokens', that split dimension `name` of the weights: the
-    axes over which the products that contract it are tensor-parallel."""
-    tokens = set(rules.token_axes(rules.axes))
-    for array in arrays:
-        for dim, axes in zip(array.names, array.axes["params"], strict=True):
-            if dim == name and axes and name in ("heads", "mlp", "vocab"):
-                return ordered((a for a in axes if a not in tokens), rules)
-    return ()
-
-
-def weight_transfers(
-    arrays: list[PlacedArray], rules: Rules, passes: Formula, reductions: Formula, width: float
-) -> list[Transfer]:
-    """Gathers of weights split over the tokens' axes (FSDP), reductions of the gradients
-    over those axes, and ZeRO's gather of updated parameters, from the arrays' layouts."""
-    tokens = set(rules.token_axes(rules.axes))
-    groups: dict[tuple[str, tuple[str, ...], str], Formula] = {}
-
-    def add(kind: str, axes: Iterable[str], overlap: str, value: Formula) -> None:
-        key = (kind, ordered(axes, rules), overlap)
-        if key[1]:
-            groups[key] = groups.get(key, Formula()) + value
-
-    for a in arrays:
-        stored = [set(x) for x in a.axes["params"]]
-        routed = [n in ROUTED for n in a.names]
-        gathered = {x for dim, r in zip(stored, routed, strict=True) if not r for x in dim & tokens}
-        read = [dim if r else dim - tokens for dim, r in zip(stored, routed, strict=True)]
-        itemsize = width if a.cast else STATE_BYTES
-        local = a.elements.per(x for dim in read for x in dim)
-        add("all-gather", gathered, "gather", local * itemsize)
-        summed = tokens - {x for dim, r in zip(stored, routed, strict=True) if r for x in dim}
-        scattered = summed & {x for dim in a.axes["optimizer"] for x in dim}
-        add("reduce-scatter", scattered, "reduce", local * STATE_BYTES)
-        add("all-reduce", summed - scattered, "reduce", (local * STATE_BYTES).per(scattered))
-        updated = {x for dim in a.axes["optimizer"] for x in dim} - {
-            x for dim in stored for x in dim
-        }
-        held = a.elements.per(x for dim in stored for x in dim)
-        add("all-gather", updated & tokens, "update", held * STATE_BYTES)
-    return [
-        Transfer(
-            kind,
-            axes,
-            array,
-            passes if overlap == "gather" else reductions if overlap == "reduce" else Formula.of(1),
-            Formula.of("layers"),
-            overlap,
-            {"gather": "weights", "reduce": "gradients", "update": "updated parameters"}[overlap],
-        )
-        for (kind, axes, overlap), array in groups.items()
-    ]

@@ -17,7 +17,6 @@ import math
 from importlib import resources
 from typing import Any
 
-from nnxscale.costs.arrays import OVERLAPS
 from nnxscale.costs.counts import (
     LEDGERS,
     PLANNING,
@@ -30,6 +29,7 @@ from nnxscale.costs.counts import (
 from nnxscale.costs.coverage import unpriced
 from nnxscale.costs.derive import derive, unledgered
 from nnxscale.costs.hardware import HARDWARE, TUNED_SHARE
+from nnxscale.costs.moves import OVERLAPS
 from nnxscale.costs.planner import EXPERT_PLANNED, HEADROOM, PLANNED, REMATS
 from nnxscale.costs.steps import HIDDEN
 from nnxscale.model.configs import LLAMA3_8B

@@ -4,8 +4,7 @@ and the rule sets or schedules that it does price."""
 from __future__ import annotations
 
 from nnxscale.costs.activations import DROPLESS
-from nnxscale.costs.arrays import arrays_of, tensor_axes
-from nnxscale.costs.moves import context_axis
+from nnxscale.costs.arrays import context_axis, placed
 from nnxscale.placement.rules import Rules
 
 
@@ -41,11 +40,11 @@ def unpriced(rules: Rules, moe: int, schedule: str = "lockstep") -> str:
 
 def _splits_experts_or_tensors(rules: Rules) -> bool:
     """Whether `rules` split a mixture's experts (EP) or a product's weights (TP)."""
-    arrays = arrays_of(rules, True)
+    placement = placed(rules, True)
     experts = any(
         axes
-        for a in arrays
+        for a in placement.arrays
         for name, axes in zip(a.names, a.axes["params"], strict=True)
         if name == "experts"
     )
-    return experts or any(tensor_axes(arrays, n, rules) for n in ("heads", "mlp", "vocab"))
+    return experts or any(placement.tensor(n) for n in ("heads", "mlp", "vocab"))

@@ -11,6 +11,11 @@ keeps for the book's Transformer (`nnxscale.activations`), dense or with a mixtu
 in place of each MLP. The formulas are evaluated for any model, cluster and batch
 (`step_cost`), searched by the planner (`nnxscale.planner`), and written into the page for the
 calculator (`nnxscale.calculator`), which only evaluates them.
+
+This module is the derivation's last stage, assembling: it places the rule set once
+(`nnxscale.costs.arrays.placed`), asks the moving stage (`nnxscale.costs.moves`) for the
+collectives and the holding stage (`nnxscale.costs.ledgers`) for the bytes, adds the FLOPs,
+and writes one `Costs` per schedule: lockstep, a pipeline on the book's executor, or 1F1B.
 """
 
 from __future__ import annotations
@@ -19,22 +24,11 @@ import dataclasses
 from collections.abc import Iterable
 
 from nnxscale.costs.activations import DROPLESS, kept
-from nnxscale.costs.arrays import (
-    PlacedArray,
-    Transfer,
-    arrays_of,
-    per_micro_batch,
-    split_by,
-    split_kept,
-    tensor_axes,
-    weight_transfers,
-)
+from nnxscale.costs.arrays import Placement, per_micro_batch, placed
 from nnxscale.costs.counts import (
     DTYPE_BYTES,
     LOGIT_BYTES,
-    OPTIMIZER_COPIES,
     ROUTING,
-    SIZES,
     STATE_BYTES,
     check_ledger,
     product_flops,
@@ -42,14 +36,22 @@ from nnxscale.costs.counts import (
 )
 from nnxscale.costs.coverage import unpriced
 from nnxscale.costs.formula import Formula
-from nnxscale.costs.ledgers import fused
+from nnxscale.costs.ledgers import (
+    fused,
+    gathered_experts,
+    held,
+    kept_on_device,
+    stage_whole,
+)
 from nnxscale.costs.moves import (
+    Transfer,
     activation_transfers,
-    context_axis,
+    hand_overs,
+    in_stages,
     tensor_all_reduces,
+    weight_transfers,
 )
 from nnxscale.model.transformer import remat_policy
-from nnxscale.placement.constraints import ROUTED
 from nnxscale.placement.rules import Rules
 
 
@@ -154,11 +156,10 @@ def derive(
         if base not in _BASES:  # the program's formulas, which every ledger starts from
             _BASES[base] = _derive(rules, compute_dtype, remat, moe, schedule)
         costs = _BASES[base]
-        arrays = arrays_of(rules, bool(moe))
+        placement = placed(rules, bool(moe))
         if ledger == "fused":
-            how = (loss, regather)
-            costs = fused(costs, rules, arrays, compute_dtype, policy, moe, how)
-        _DERIVED[key] = _reduced_once(costs, arrays, ledger) if reduce_once else costs
+            costs = fused(costs, placement, compute_dtype, policy, moe, (loss, regather))
+        _DERIVED[key] = _reduced_once(costs, placement, ledger) if reduce_once else costs
     return _DERIVED[key]
 
 
@@ -174,7 +175,7 @@ def unledgered(rules: Rules, schedule: str, ledger: str) -> str:
     return ""
 
 
-def _reduced_once(costs: Costs, arrays: list[PlacedArray], ledger: str = "program") -> Costs:
+def _reduced_once(costs: Costs, placement: Placement, ledger: str = "program") -> Costs:
     """`costs` with gradient accumulation reducing once per step. The program
     (`train.unreduced_grads`) gathers each weight whole over the batch's axes once, before
     the micro-batches, in float32, and holds it for the step beside its stored shard; sums
@@ -185,15 +186,14 @@ def _reduced_once(costs: Costs, arrays: list[PlacedArray], ledger: str = "progra
     reduces once."""
     if costs.stage_axis is not None:
         return costs
-    rules = costs.rules
-    whole = _stage_whole(arrays, set(rules.token_axes(rules.axes)))
+    whole = stage_whole(placement)
     once = Formula.of(1)
     program = ledger == "program"
     # a fused trainer's FSDP still gathers its weights for each micro-batch
     once_a_step = {"gather", "reduce"} if program else {"reduce"}
     moved = [
         dataclasses.replace(t, launches=once, overlap="blocking" if program else t.overlap)
-        for t in weight_transfers(arrays, rules, once, once, STATE_BYTES)
+        for t in weight_transfers(placement, once, once, STATE_BYTES)
         if t.overlap in once_a_step
     ]
     kept = [t for t in costs.transfers if t.overlap not in once_a_step]
@@ -203,104 +203,41 @@ def _reduced_once(costs: Costs, arrays: list[PlacedArray], ledger: str = "progra
     )
 
 
-def _held(arrays: list[PlacedArray]) -> tuple[dict[str, Formula], Formula, Formula, tuple]:
-    """The train state per device (parameters, optimizer state), the gradients held, the
-    head's gradients, and every (size, axes) that splits a dimension of an array."""
-    state = {
-        "parameters": _total(a.per_device("params") for a in arrays),
-        "optimizer state": _total(a.per_device("optimizer") for a in arrays) * OPTIMIZER_COPIES,
-    }
-    # gradients are held as the optimizer state that reads them is split: XLA's partitioner
-    # splits a gradient only a split update reads, whatever the rule set says of `grads`
-    gradients = _total(a.per_device("optimizer") for a in arrays)
-    head_gradients = _total(a.per_device("optimizer") for a in arrays if a.path == "head")
-    splits = {
-        (SIZES[n], axes)
-        for a in arrays
-        for role in a.axes.values()
-        for n, axes in zip(a.names, role, strict=True)
-        if axes
-    }
-    return state, gradients, head_gradients, tuple(sorted(splits))
-
-
-WORKSPACE = Formula.product(["batch", "heads", "block", "block"], 4 * 4)
-"""What the blockwise attention's backward pass holds while it runs one layer: about four
-float32 arrays of one block pair's scores (the scores, probabilities and their gradients),
-measured on the compiled kernel; it grows with the block, not with the sequence."""
-
-
-def mlp_gradients(width: int, moe: int) -> Formula:
-    """What one layer's MLP holds while its backward pass runs, beside what it kept: three
-    gradients as wide as its hidden units (of the down projection's input, of gate and of
-    up), over every token, every expert's slot in a capacity mixture, or every row of a
-    dropless mixture's blocks (`moe` as `nnxscale.activations.mixture` gives it)."""
-    hidden = "batch seq mlp"
-    if moe:
-        hidden = "batch rows mlp" if moe > DROPLESS else "batch experts capacity mlp"
-    return Formula.product(hidden.split(), 3 * width)
-
-
-def _kept(
-    rules: Rules, arrays: list[PlacedArray], compute_dtype: str, policy: str | None, moe: int
-) -> tuple[Formula, Formula, Formula]:
-    """Per device: the activations the backward pass reads, the compute copies of the
-    weights (when the compute dtype or a token axis needs them), and what remat rebuilds."""
-    ring = context_axis(rules)
-    tokens = set(rules.token_axes(rules.axes))
-    k = kept(compute_dtype, policy or False, ring=ring is not None, moe=moe)
-    stream = k.on_stream("layer") * "layers" + k.on_stream("model")
-    activations = per_micro_batch(
-        split_kept(k.layer * "layers" + k.model, stream, rules) + _local(k.local, rules)
-    )
-    copies = compute_dtype != "float32" or any(
-        tokens & {x for d in a.axes["params"] for x in d} for a in arrays
-    )
-    weights = Formula()
-    if copies:
-        weights = split_by(k.weights * "layers" + k.head_weights, rules, weights=True)
-    rebuilt = split_by(k.rebuilt + WORKSPACE, rules) if ring is None else _local(k.rebuilt, rules)
-    gradients = split_by(mlp_gradients(DTYPE_BYTES[compute_dtype], moe), rules)
-    rebuilt = per_micro_batch(rebuilt + gradients)
-    if policy and copies:
-        rebuilt += split_by(kept(compute_dtype).weights, rules, weights=True)
-    return activations, weights, rebuilt
-
-
 def _derive(rules: Rules, compute_dtype: str, remat: bool | str, moe: int, schedule: str) -> Costs:
+    """The program ledger's formulas: the rule set placed once, its collectives (moving)
+    and its bytes (holding) read off the placement, assembled with the FLOPs; a rule set
+    that splits the layers goes to its pipeline schedule's formulas."""
     policy = remat_policy(remat)
     width = DTYPE_BYTES[compute_dtype]
-    arrays = arrays_of(rules, bool(moe))
-    tokens = set(rules.token_axes(rules.axes))
-    state, gradients, head_gradients, splits = _held(arrays)
-    stage = _tensor_stage(arrays)
+    placement = placed(rules, bool(moe))
+    state, gradients, head_gradients, splits = held(placement)
+    stage = placement.stage
     if stage is not None and schedule != "lockstep":  # 1F1B's formulas, and ZB's
-        held = (state, head_gradients, tuple(splits))
-        return _one_f_one_b(rules, arrays, held, stage, compute_dtype, policy, moe)
-    if stage is not None:
-        return _pipeline(
-            rules, arrays, state, gradients, head_gradients, tuple(splits), stage, width
+        return _one_f_one_b(
+            placement, (state, head_gradients, tuple(splits)), compute_dtype, policy, moe
         )
+    if stage is not None:
+        return _pipeline(placement, state, head_gradients, tuple(splits), width)
     layer_gradients = _total(
         (a.elements * STATE_BYTES / "layers").per(
-            x for d in a.axes["params"] for x in d if x not in tokens
+            x for d in a.axes["params"] for x in d if x not in placement.tokens
         )
-        for a in arrays
+        for a in placement.arrays
         if "layers" in a.names
     )
-    activations, weights, rebuilt = _kept(rules, arrays, compute_dtype, policy, moe)
+    activations, weights, rebuilt = kept_on_device(placement, compute_dtype, policy, moe)
     if moe > DROPLESS:
-        held, working = _gathered_experts(arrays, rules, DTYPE_BYTES[compute_dtype], policy)
-        weights, rebuilt = weights + held, rebuilt + working
-    head = per_micro_batch(split_by(Formula.product(["batch", "seq", "vocab"], LOGIT_BYTES), rules))
+        kept_copies, working = gathered_experts(placement, width, policy)
+        weights, rebuilt = weights + kept_copies, rebuilt + working
+    head = per_micro_batch(placement.split(Formula.product(["batch", "seq", "vocab"], LOGIT_BYTES)))
     passes = Formula.of("micro") * (2 if policy else 1)
-    transfers = weight_transfers(arrays, rules, passes, Formula.of("micro"), width)
+    transfers = weight_transfers(placement, passes, Formula.of("micro"), width)
     transfers += activation_transfers(
-        arrays, rules, width, _passes(policy, moe), bool(moe), policy is not None
+        placement, width, _passes(policy, moe), bool(moe), policy is not None
     )
     accumulator = gradients
-    flops = _device_flops(rules, arrays, policy, moe)
-    extra = _extra(rules, moe=moe, policy=policy)
+    flops = _device_flops(placement, policy, moe)
+    extra = _extra(placement, moe=moe, policy=policy)
     return Costs(
         rules,
         state,
@@ -320,25 +257,6 @@ def _derive(rules: Rules, compute_dtype: str, remat: bool | str, moe: int, sched
     )
 
 
-def _gathered_experts(
-    arrays: list[PlacedArray], rules: Rules, width: float, policy: str | None
-) -> tuple[Formula, Formula]:
-    """A dropless mixture's experts where the tokens' axes split them (FSDP): its blocks read
-    them whole (`nnxscale.dropless`), so each layer keeps its gathered copy for the backward
-    pass (unless full remat rebuilds it), and the layer at work holds that copy and its
-    gradient whole twice (measured on the compiled steps: about three layers' worth)."""
-    tokens = set(rules.token_axes(rules.axes))
-    split = [
-        a.elements
-        for a in arrays
-        if "experts" in a.names and len(a.names) > 3
-        and tokens & {x for axes in a.axes["params"] for x in axes}
-    ]  # fmt: skip
-    whole = _total(split)
-    kept_copies = Formula() if policy == "full" else whole * width
-    return kept_copies, whole / "layers" * (width + 2 * STATE_BYTES)
-
-
 def _passes(policy: str | None, moe: int) -> int:
     """How often a layer's activations move in a step: forward and backward, and forward
     again when remat rebuilds them (with `dots`, only a mixture's slots are rebuilt)."""
@@ -346,11 +264,11 @@ def _passes(policy: str | None, moe: int) -> int:
 
 
 def _extra(
-    rules: Rules, pipeline: bool = False, moe: int = 0, policy: str | None = None
+    placement: Placement, pipeline: bool = False, moe: int = 0, policy: str | None = None
 ) -> dict[str, object]:
     """The batch's and the ring's axes, and the forward pass's and attention's FLOPs per
     device (a pipeline's backward runs its stage's forward again)."""
-    ring = context_axis(rules)
+    rules, ring = placement.rules, placement.ring
     forward = sum((p.forward for p in products(bool(moe), moe > DROPLESS)), Formula())
     return {
         "batch_axes": tuple(a for a in rules.token_axes(rules.axes) if a != ring),
@@ -374,29 +292,15 @@ def _ring_flops(policy: str | None, ring: str | None) -> Formula:
     return (pairs * 0.5 + pairs * 0.25 / ring) * (3.5 + again)
 
 
-def _local(formula: Formula, rules: Rules) -> Formula:
-    """A ring's kept blocks, already per device along the sequence (in `chunk`), split over
-    the other axes as activations are, with `chunk` as `seq / context`."""
-    axis = context_axis(rules)
-    return (
-        split_by(formula, rules)
-        .replace("chunk", {"seq": 1, axis: -1})
-        .replace("context", {axis: 1})
-    )
-
-
 def _total(formulas: Iterable[Formula]) -> Formula:
     return sum(formulas, Formula())
 
 
 def _pipeline(
-    rules: Rules,
-    arrays: list[PlacedArray],
+    placement: Placement,
     state: dict[str, Formula],
-    gradients: Formula,
     head_gradients: Formula,
     splits: tuple[tuple[str, tuple[str, ...]], ...],
-    stage: str,
     width: float,
 ) -> Costs:
     """The formulas of a step on `nnxscale.pipeline`'s executor with a 1F1B schedule of
@@ -406,39 +310,34 @@ def _pipeline(
     gradients whole (gathered once per step over an inner FSDP axis, in float32, and
     reduce-scattered once), and hands an activation forward and a gradient back every tick.
     The last stage also computes the logits of a micro-batch."""
-    tokens = set(rules.token_axes(rules.axes))
-    whole = _stage_whole(arrays, tokens)
+    rules, stage = placement.rules, placement.stage
+    whole = stage_whole(placement)
     k = kept("float32" if width == 4 else "bfloat16")
-    micro = per_micro_batch(split_by(Formula.product(["batch", "seq", "embed"], width), rules))
+    micro = per_micro_batch(placement.split(Formula.product(["batch", "seq", "embed"], width)))
     slots = Formula.of(stage) + 1  # min(stage, micro) inputs and one gradient, at micro >= stage
-    one_stage = (split_by(k.layer, rules) * "layers").per([stage])
+    one_stage = (placement.split(k.layer) * "layers").per([stage])
     rebuilt = per_micro_batch(one_stage) + (
-        split_by(k.weights, rules, weights=True) * "layers"
+        placement.split(k.weights, weights=True) * "layers"
     ).per([stage])
     head = per_micro_batch(
-        split_by(Formula.product(["batch", "seq", "vocab"], 2 * LOGIT_BYTES) + k.model, rules)
+        placement.split(Formula.product(["batch", "seq", "vocab"], 2 * LOGIT_BYTES) + k.model)
     )
     once = Formula.of(1)
-    transfers = weight_transfers(arrays, rules, once, once, STATE_BYTES)
+    transfers = weight_transfers(placement, once, once, STATE_BYTES)
     ticks = (Formula.of("micro") + stage - 1) * 2
-    transfers.append(
-        Transfer(
-            "collective-permute", (stage,), micro, ticks * 2, ticks * 2, "blocking", HAND_OVERS
-        )
-    )
-    transfers += _in_stages(tensor_all_reduces(arrays, rules, width, 3), stage)
+    transfers.append(hand_overs(stage, micro, ticks * 2))
+    transfers += in_stages(tensor_all_reduces(placement, width, 3), stage)
     flops = (product_flops(None) * Formula.of(4) / 3).per(rules.axes)  # the backward runs it again
-    weights = whole if tokens else Formula()  # the stage's weights, gathered once per step
+    # the stage's weights, gathered once per step
+    weights = whole if placement.tokens else Formula()
     common = (rules, state, whole, head_gradients, splits, stage)
     parts = (micro * slots, weights, rebuilt, head, transfers, flops)
-    return _stage_costs(common, *parts, **_extra(rules, pipeline=True))
+    return _stage_costs(common, *parts, **_extra(placement, pipeline=True))
 
 
 def _one_f_one_b(
-    rules: Rules,
-    arrays: list[PlacedArray],
+    placement: Placement,
     held: tuple[dict[str, Formula], Formula, tuple[tuple[str, tuple[str, ...]], ...]],
-    stage: str,
     compute_dtype: str,
     policy: str | None,
     moe: int,
@@ -457,39 +356,35 @@ def _one_f_one_b(
     mixture of experts (`moe`) keeps what its layers keep and runs expert parallelism's
     all-to-alls for its own layers, as outside a pipeline."""
     state, head_gradients, splits = held
+    rules, stage, ring = placement.rules, placement.stage, placement.ring
     width = DTYPE_BYTES[compute_dtype]
-    tokens = set(rules.token_axes(rules.axes))
-    whole = _stage_whole(arrays, tokens)
-    _, copies, rebuilt = _kept(rules, arrays, compute_dtype, policy, moe)
-    ring = context_axis(rules)
+    whole = stage_whole(placement)
+    _, copies, rebuilt = kept_on_device(placement, compute_dtype, policy, moe)
     k = kept(compute_dtype, policy or False, ring=ring is not None, moe=moe)
-    blocks = _local(k.local, rules) if ring else Formula()
-    layer = split_kept(k.layer, k.on_stream("layer"), rules) + _layer_terms(blocks) / "layers"
+    blocks = placement.local(k.local) if ring else Formula()
+    layer = placement.split_kept(k.layer, k.on_stream("layer")) + _layer_terms(blocks) / "layers"
     layer = per_micro_batch(layer)
     residual = [a for a in rules.axes_of("residual_length") if a != ring]  # Megatron's SP
     in_flight = Formula.of("flight") + (Formula.of("flight") - 1) * "interleaved" / "virtual"
-    model = split_kept(k.model, k.on_stream("model"), rules) + blocks - _layer_terms(blocks)
+    model = placement.split_kept(k.model, k.on_stream("model")) + blocks - _layer_terms(blocks)
     stage_layers = (layer * "layers").per([stage])
     loss = per_micro_batch(vocab_terms(model))
     activations = stage_layers * in_flight + per_micro_batch(model) - loss
-    head = per_micro_batch(split_by(Formula.product(["batch", "seq", "vocab"], LOGIT_BYTES), rules))
+    head = per_micro_batch(placement.split(Formula.product(["batch", "seq", "vocab"], LOGIT_BYTES)))
     once = Formula.of(1)
-    transfers = weight_transfers(arrays, rules, once, once, STATE_BYTES)
+    transfers = weight_transfers(placement, once, once, STATE_BYTES)
     moved = activation_transfers(
-        arrays, rules, width, _passes(policy, moe), bool(moe), policy is not None
+        placement, width, _passes(policy, moe), bool(moe), policy is not None
     )
-    transfers += _in_stages(moved, stage)
-    micro = per_micro_batch(split_by(Formula.product(["batch", "seq", "embed"], width), rules))
+    transfers += in_stages(moved, stage)
+    micro = per_micro_batch(placement.split(Formula.product(["batch", "seq", "embed"], width)))
     micro = micro.per(residual)  # sent split as sequence parallelism splits it (Megatron-LM)
-    sends = Formula.of("micro") * "virtual" * 2
-    transfers.append(
-        Transfer("collective-permute", (stage,), micro, sends, sends, "blocking", HAND_OVERS)
-    )
+    transfers.append(hand_overs(stage, micro, Formula.of("micro") * "virtual" * 2))
     common = (rules, state, whole, head_gradients, splits, stage)
-    weights = (whole if tokens else Formula()) + copies
-    flops = _device_flops(rules, arrays, policy, moe)
+    weights = (whole if placement.tokens else Formula()) + copies
+    flops = _device_flops(placement, policy, moe)
     parts = (activations, weights, rebuilt, head, transfers, flops)
-    extra = _extra(rules, moe=moe, policy=policy)
+    extra = _extra(placement, moe=moe, policy=policy)
     return _stage_costs(common, *parts, **extra, schedule="1F1B", last_stage=stage_layers + loss)
 
 
@@ -504,19 +399,19 @@ def _layer_terms(formula: Formula) -> Formula:
     return Formula({p: c for p, c in formula.terms.items() if "layers" in dict(p)})
 
 
-def _device_flops(rules: Rules, arrays: list[PlacedArray], policy: str | None, moe: int) -> Formula:
+def _device_flops(placement: Placement, policy: str | None, moe: int) -> Formula:
     """Matmul FLOPs of a step per device: the products over all devices, with attention's as
     the zig-zag ring scores them when a ring splits the sequence; a mixture's routing
     (`ROUTING`) is computed whole on every device of a tensor axis, unless sequence
     parallelism splits the stream it routes over that axis."""
-    ring = context_axis(rules)
+    rules, ring = placement.rules, placement.ring
     flops = product_flops(policy, bool(moe), dropless=moe > DROPLESS)
     if ring is not None:
         flops += _ring_flops(policy, ring) - _ring_flops(policy, None)
     if not moe:
         return flops.per(rules.axes)
     routing = product_flops(policy, True, ROUTING)
-    tensor = set(tensor_axes(arrays, "mlp", rules)) - set(rules.axes_of("residual_length"))
+    tensor = set(placement.tensor("mlp")) - set(rules.axes_of("residual_length"))
     return (flops - routing).per(rules.axes) + routing.per(a for a in rules.axes if a not in tensor)
 
 
@@ -551,42 +446,3 @@ def _stage_costs(
         stage,
         **extra,
     )
-
-
-HAND_OVERS = "stage inputs and their gradients"
-"""What a pipeline's collective-permutes between stages move."""
-
-
-def _stage_whole(arrays: list[PlacedArray], tokens: set[str]) -> Formula:
-    """A stage's parameters per device, whole over the axes that split the batch (an inner
-    FSDP axis; a mixture's experts stay split over expert parallelism's axis), in float32:
-    what a pipeline gathers once a step and sums gradients into."""
-    return _total(
-        a.elements.per(
-            x
-            for name, d in zip(a.names, a.axes["params"], strict=True)
-            for x in d
-            if name in ROUTED or x not in tokens
-        )
-        * STATE_BYTES
-        for a in arrays
-    )
-
-
-def _in_stages(transfers: list[Transfer], stage: str) -> list[Transfer]:
-    """`transfers` counted per layer of the model, counted per layer of one stage."""
-    return [
-        dataclasses.replace(t, passes=t.passes.per([stage]), launches=t.launches.per([stage]))
-        if any("layers" in dict(powers) for powers in t.launches.terms)
-        else t
-        for t in transfers
-    ]
-
-
-def _tensor_stage(arrays: list[PlacedArray]) -> str | None:
-    """The mesh axis that splits the stacked layers (a pipeline's stages), if any."""
-    for a in arrays:
-        for name, axes in zip(a.names, a.axes["params"], strict=True):
-            if name == "layers" and axes:
-                return axes[0]
-    return None

@@ -10,11 +10,11 @@ import numbers
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from nnxscale.analysis.comm import ring_bytes
-from nnxscale.costs.arrays import Transfer
 from nnxscale.costs.counts import DTYPE_BYTES, STATE_BYTES, Precision, Setup, sizes_of
 from nnxscale.costs.derive import Costs
 from nnxscale.costs.formula import Formula
 from nnxscale.costs.hardware import Hardware, hardware
+from nnxscale.costs.moves import Transfer
 from nnxscale.costs.suitable import derive_for
 from nnxscale.model.transformer import Config, remat_policy
 from nnxscale.parallelism.schedules import (
