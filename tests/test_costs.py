@@ -26,8 +26,8 @@ from nnxscale import (
 from nnxscale.analysis.comm import ring_bytes
 from nnxscale.analysis.hlo import collectives, dot_flops
 from nnxscale.core.memory import CompiledMemory
+from nnxscale.costs import sizes_of
 from nnxscale.costs.planner import TOLERANCE
-from nnxscale.costs.steps import sizes_of
 from nnxscale.model import count_params
 from nnxscale.model.configs import LLAMA3_8B, LLAMA3_70B, MIXTRAL_8X7B
 from nnxscale.placement.catalogue import STRATEGIES

@@ -38,27 +38,29 @@ from nnxscale.costs.hardware import (
     shared,
 )
 from nnxscale.costs.moves import OVERLAPS, Transfer
-from nnxscale.costs.steps import (
+from nnxscale.costs.network import (
     HIDDEN,
-    LEDGER_PARTS,
-    TIME_BAND,
     PricedCollective,
-    StepCost,
     collective_seconds,
-    crossover,
-    fitted_efficiency,
     hide,
     lanes,
+    link,
+    members,
+    within,
+)
+from nnxscale.costs.steps import (
+    LEDGER_PARTS,
+    TIME_BAND,
+    StepCost,
+    crossover,
+    fitted_efficiency,
     launched,
     ledger,
     ledger_terms,
-    link,
-    members,
     memory_phases,
     pipeline_bubble,
     ring_hop_tokens,
     step_cost,
-    within,
 )
 from nnxscale.costs.suitable import derive_for, unsuitable
 

@@ -30,8 +30,8 @@ from nnxscale.costs.coverage import unpriced
 from nnxscale.costs.derive import derive, unledgered
 from nnxscale.costs.hardware import HARDWARE, TUNED_SHARE
 from nnxscale.costs.moves import OVERLAPS
+from nnxscale.costs.network import HIDDEN
 from nnxscale.costs.planner import EXPERT_PLANNED, HEADROOM, PLANNED, REMATS
-from nnxscale.costs.steps import HIDDEN
 from nnxscale.model.configs import LLAMA3_8B
 from nnxscale.model.context import BLOCK
 from nnxscale.model.transformer import Config
