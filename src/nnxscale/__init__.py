@@ -27,7 +27,8 @@ from nnxscale.core.memory import CompiledMemory
 from nnxscale.costs import activations, calculator, formula, planner
 from nnxscale.costs.planner import plan
 from nnxscale.model import configs, context, dropless, growth, losses, moe, params
-from nnxscale.model.transformer import TINY, Config, Transformer, create
+from nnxscale.model.config import TINY, Config
+from nnxscale.model.transformer import Transformer, create
 from nnxscale.parallelism import fsdp, pipeline, schedules
 from nnxscale.placement import (
     annotations,

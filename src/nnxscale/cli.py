@@ -43,7 +43,8 @@ from nnxscale.checkpoint.buckets import Location, location
 from nnxscale.checkpoint.integrity import checksums
 from nnxscale.checkpoint.records import PARTIAL
 from nnxscale.checkpoint.store import Checkpoints
-from nnxscale.model.transformer import TINY, Transformer, create
+from nnxscale.model.config import TINY
+from nnxscale.model.transformer import Transformer, create
 from nnxscale.placement.catalogue import RULE_SETS, STRATEGIES
 from nnxscale.placement.mesh import hybrid_mesh, make_mesh
 from nnxscale.placement.rules import strategy_mesh

@@ -45,8 +45,9 @@ from jax.sharding import AbstractMesh, AxisType, NamedSharding, PartitionSpec
 from nnxscale.core.memory import residual_arrays
 from nnxscale.costs.counts import mixture_problem
 from nnxscale.costs.formula import Formula
+from nnxscale.model.config import Config, remat_policy
 from nnxscale.model.losses import next_token_loss
-from nnxscale.model.transformer import Config, create, remat_policy
+from nnxscale.model.transformer import create
 from nnxscale.placement.catalogue import CONTEXT, CP, SP
 from nnxscale.placement.constraints import activation_rules
 

@@ -23,7 +23,8 @@ from nnxscale.costs.activations import EXPERTS, LOGICAL, PRIMES, factor
 from nnxscale.costs.counts import SIZES, STATE_BYTES
 from nnxscale.costs.formula import Formula
 from nnxscale.model.casting import CAST_WEIGHTS
-from nnxscale.model.transformer import Config, create
+from nnxscale.model.config import Config
+from nnxscale.model.transformer import create
 from nnxscale.placement.constraints import ROUTED, activation_axes, weight_axes
 from nnxscale.placement.init import abstract
 from nnxscale.placement.layout import resolve

@@ -32,9 +32,9 @@ from nnxscale.costs.hardware import HARDWARE, TUNED_SHARE
 from nnxscale.costs.moves import OVERLAPS
 from nnxscale.costs.network import HIDDEN
 from nnxscale.costs.planner import EXPERT_PLANNED, HEADROOM, PLANNED, REMATS
+from nnxscale.model.config import Config
 from nnxscale.model.configs import LLAMA3_8B
 from nnxscale.model.context import BLOCK
-from nnxscale.model.transformer import Config
 from nnxscale.placement.catalogue import STRATEGIES
 from nnxscale.placement.rules import Rules
 

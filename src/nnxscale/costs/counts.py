@@ -9,10 +9,10 @@ import math
 from collections.abc import Mapping
 
 from nnxscale.costs.formula import Formula
+from nnxscale.model.config import Config, remat_policy
 from nnxscale.model.context import BLOCK
 from nnxscale.model.dropless import blocks
 from nnxscale.model.moe import capacity
-from nnxscale.model.transformer import Config, remat_policy
 from nnxscale.placement.rules import RuleError, Rules
 
 STATE_BYTES = 4

@@ -24,7 +24,7 @@ from nnxscale.costs.counts import Setup, sizes_of
 from nnxscale.costs.derive import derive
 from nnxscale.costs.hardware import HARDWARE
 from nnxscale.costs.network import within
-from nnxscale.model.transformer import TINY
+from nnxscale.model.config import TINY
 from nnxscale.placement.catalogue import STRATEGIES
 from nnxscale.runtime import events
 

@@ -51,7 +51,7 @@ from nnxscale.costs.moves import (
     tensor_all_reduces,
     weight_transfers,
 )
-from nnxscale.model.transformer import remat_policy
+from nnxscale.model.config import remat_policy
 from nnxscale.placement.rules import Rules
 
 

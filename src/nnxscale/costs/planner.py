@@ -32,7 +32,7 @@ from nnxscale.costs.derive import derive
 from nnxscale.costs.hardware import Hardware, hardware, shared
 from nnxscale.costs.steps import StepCost, step_cost
 from nnxscale.costs.suitable import unsuitable
-from nnxscale.model.transformer import Config
+from nnxscale.model.config import Config
 from nnxscale.placement.catalogue import STRATEGIES
 from nnxscale.placement.rules import Rules
 

@@ -14,7 +14,7 @@ from nnxscale.costs.formula import Formula
 from nnxscale.costs.hardware import Hardware, hardware
 from nnxscale.costs.network import PricedCollective, link, priced_collectives
 from nnxscale.costs.suitable import derive_for
-from nnxscale.model.transformer import Config, remat_policy
+from nnxscale.model.config import Config, remat_policy
 from nnxscale.parallelism.schedules import (
     bubble_formula,
     zero_bubble_formula,

@@ -10,7 +10,7 @@ from nnxscale.costs.activations import mixture
 from nnxscale.costs.counts import Setup, mixture_problem, sizes_of
 from nnxscale.costs.coverage import unpriced
 from nnxscale.costs.derive import Costs, derive, unledgered
-from nnxscale.model.transformer import Config, remat_policy
+from nnxscale.model.config import Config, remat_policy
 
 
 def derive_for(cfg: Config, setup: Setup) -> Costs:

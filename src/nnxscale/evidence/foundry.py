@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from nnxscale.costs.counts import PRECISIONS, Precision
 from nnxscale.evidence.runs import Run
-from nnxscale.model.transformer import Config
+from nnxscale.model.config import Config
 
 FSDP_MIXED = Precision(parameters=4, master=0, moments=8, ema=0, gradients=4)
 """What PyTorch FSDP's mixed precision holds per parameter (llm-foundry's `amp_bf16`,

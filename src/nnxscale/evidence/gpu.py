@@ -15,8 +15,8 @@ from __future__ import annotations
 from nnxscale.costs.counts import PLANNING, Precision, counts
 from nnxscale.evidence.foundry import FSDP_MIXED, gpt
 from nnxscale.evidence.runs import Run, fastest_fitting
+from nnxscale.model.config import Config
 from nnxscale.model.configs import LLAMA3_8B, LLAMA3_70B, LLAMA3_405B
-from nnxscale.model.transformer import Config
 
 MEGATRON = PLANNING
 """What Megatron-LM holds per parameter by default: 16-bit parameters and gradients (its

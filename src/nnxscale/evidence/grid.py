@@ -35,7 +35,7 @@ from nnxscale.costs.hardware import Hardware, hardware, shared
 from nnxscale.costs.planner import HEADROOM
 from nnxscale.costs.steps import step_cost
 from nnxscale.costs.suitable import unsuitable
-from nnxscale.model.transformer import Config
+from nnxscale.model.config import Config
 from nnxscale.placement.catalogue import STRATEGIES
 
 SEQ, BATCH, GPUS_PER_NODE = 4096, 256, 8

@@ -11,7 +11,7 @@ from __future__ import annotations
 from nnxscale.costs.activations import kept
 from nnxscale.costs.counts import Setup, sizes_of
 from nnxscale.costs.formula import Formula
-from nnxscale.model.transformer import Config
+from nnxscale.model.config import Config
 from nnxscale.placement.catalogue import DP
 
 KORTHIKANTI = {

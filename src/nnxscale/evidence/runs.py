@@ -25,7 +25,7 @@ from nnxscale.costs.counts import PLANNING, Precision, Setup, model_flops, step_
 from nnxscale.costs.hardware import Hardware, hardware
 from nnxscale.costs.steps import StepCost, efficiency_where, step_cost
 from nnxscale.costs.suitable import unsuitable
-from nnxscale.model.transformer import Config
+from nnxscale.model.config import Config
 from nnxscale.placement.catalogue import STRATEGIES
 
 QUANTITIES = (

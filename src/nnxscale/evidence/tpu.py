@@ -16,8 +16,8 @@ import math
 
 from nnxscale.costs.counts import Precision
 from nnxscale.evidence.runs import Run
+from nnxscale.model.config import Config
 from nnxscale.model.configs import LLAMA3_8B, LLAMA3_70B
-from nnxscale.model.transformer import Config
 
 MAXTEXT = Precision(parameters=4, master=0, moments=8, ema=0, gradients=4)
 """What MaxText holds per parameter: float32 weights (cast to bfloat16 per layer), AdamW's two

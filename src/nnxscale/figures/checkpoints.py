@@ -13,7 +13,8 @@ from flax import nnx
 from nnxscale.checkpoint.restoring import chunks_read
 from nnxscale.figures.drawing import box
 from nnxscale.figures.layouts import plot_sharding, shard_blocks
-from nnxscale.model.transformer import Config, create
+from nnxscale.model.config import Config
+from nnxscale.model.transformer import create
 from nnxscale.placement.catalogue import FSDP, TP
 from nnxscale.placement.init import abstract
 from nnxscale.placement.layout import ReplicationWarning, resolve

@@ -16,7 +16,8 @@ from nnxscale.costs.hardware import Hardware, hardware
 from nnxscale.costs.steps import LEDGER_PARTS, ledger, step_cost
 from nnxscale.figures.drawing import box, byte_unit, device_colour
 from nnxscale.figures.layouts import plot_sharding
-from nnxscale.model.transformer import Config, create
+from nnxscale.model.config import Config
+from nnxscale.model.transformer import create
 from nnxscale.placement.init import abstract
 from nnxscale.placement.layout import Layout, ReplicationWarning
 from nnxscale.placement.rules import Rules

@@ -2,25 +2,22 @@
 GShard's with a capacity, and `dropless`), losses, `Params`."""
 
 from nnxscale.model.casting import CAST_WEIGHTS, compute_copy
+from nnxscale.model.config import BENCH, REMAT_POLICIES, config_problem, remat_policy
 from nnxscale.model.transformer import (
-    BENCH,
     HEADS,
     HIDDEN,
     KV_HEADS,
     LOGICAL_AXES,
     LOGITS,
     MLP,
-    REMAT_POLICIES,
     RESIDUAL,
     TOKENS,
     Attention,
     Block,
     BlockRunner,
     RMSNorm,
-    config_problem,
     count_params,
     plain_stack,
-    remat_policy,
 )
 
 __all__ = [

@@ -8,7 +8,7 @@ test counts each on abstract arrays (nothing is allocated) and asserts equality.
 
 from __future__ import annotations
 
-from nnxscale.model.transformer import Config
+from nnxscale.model.config import Config
 
 _RUN = {"scan_layers": True, "compute_dtype": "bfloat16"}
 

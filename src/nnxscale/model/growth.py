@@ -11,7 +11,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from nnxscale.model.transformer import Config, create
+from nnxscale.model.config import Config
+from nnxscale.model.transformer import create
 from nnxscale.runtime.devices import FAST_COMPILE
 
 

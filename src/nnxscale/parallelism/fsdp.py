@@ -28,8 +28,9 @@ from jax.extend.core import Primitive
 from jax.sharding import Mesh, PartitionSpec
 
 from nnxscale.analysis.comm import GATHERED, gather_tree
+from nnxscale.model.config import Config
 from nnxscale.model.losses import GradsFn
-from nnxscale.model.transformer import Config, Transformer, create
+from nnxscale.model.transformer import Transformer, create
 from nnxscale.placement.catalogue import FSDP
 from nnxscale.placement.init import abstract
 from nnxscale.placement.layout import resolve

@@ -23,7 +23,8 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
 from nnxscale.core.trees import place
-from nnxscale.model.transformer import TINY, Config, create
+from nnxscale.model.config import TINY, Config
+from nnxscale.model.transformer import create
 from nnxscale.placement.compiling import compile_under, two_at_a_time
 from nnxscale.placement.init import compile_init
 from nnxscale.placement.layout import Layout, resolve
