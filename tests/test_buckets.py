@@ -312,8 +312,8 @@ def test_a_process_that_cannot_open_the_bucket_stops_every_process_and_frees_the
     goes on alone into Orbax's barriers, and process 0 gives the marker back."""
     url = gcs("apart")
     code = f"""
-from nnxscale.runtime.launch import initialize
-initialize()
+from nnxscale import cluster
+cluster.join()
 import os, jax
 from nnxscale import Checkpoints
 if jax.process_index() == 1:

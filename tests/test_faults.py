@@ -672,8 +672,9 @@ def test_a_step_that_fails_while_running_names_the_lost_state_and_a_restore_resu
 
 WORKER = """
 import sys, time
-from nnxscale import launch
-index, count = launch.initialize()
+from nnxscale import cluster
+joined = cluster.join()
+index, count = joined.process, joined.processes
 from jax.experimental import multihost_utils
 mode = sys.argv[1]
 print("joined", flush=True)
@@ -969,7 +970,7 @@ def test_bad_command_line_arguments_are_named_before_anything_runs(
 def test_collective_outside_a_launched_run_is_named(capsys) -> None:
     with pytest.raises(SystemExit):
         nx.cli.main(["collective"])
-    assert "collective runs in processes that nnxscale.launch starts" in capsys.readouterr().err
+    assert "collective runs in processes that a launcher starts" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(

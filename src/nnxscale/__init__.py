@@ -65,7 +65,7 @@ from nnxscale.placement.layout import resolve
 from nnxscale.placement.mesh import make_mesh
 from nnxscale.placement.rules import Rules, auto_fsdp, strategy_mesh
 from nnxscale.profiling import diagnose, machine, overlap, profiles
-from nnxscale.runtime import devices, events, launch, preemption
+from nnxscale.runtime import cluster, devices, events, launch, preemption
 from nnxscale.runtime.devices import emulate_devices
 from nnxscale.train import agree, data
 from nnxscale.train.agree import agreement
@@ -119,10 +119,10 @@ __all__ = [
 ]
 
 MODULES = (
-    activations, agree, annotations, calculator, catalogue, checkpoint, cli, comm, compiling,
-    configs, constraints, context, costs, data, devices, diagnose, dropless, environment, events,
-    evidence, figures, formula, fsdp, growth, hlo, init, integrity, launch, layout, losses, machine,
-    memory, mesh, model, moe, multi, naming, overlap, params, pipeline, planner, preemption,
-    problems, profiles, program, rounds, rules, schedules, show, steered, train, trees,
+    activations, agree, annotations, calculator, catalogue, checkpoint, cli, cluster, comm,
+    compiling, configs, constraints, context, costs, data, devices, diagnose, dropless, environment,
+    events, evidence, figures, formula, fsdp, growth, hlo, init, integrity, launch, layout, losses,
+    machine, memory, mesh, model, moe, multi, naming, overlap, params, pipeline, planner,
+    preemption, problems, profiles, program, rounds, rules, schedules, show, steered, train, trees,
 )  # fmt: skip
 """The modules, each reached as `nx.<module>`: the rest of the library, spelled with its home."""

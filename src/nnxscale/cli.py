@@ -49,8 +49,7 @@ from nnxscale.placement.catalogue import RULE_SETS, STRATEGIES
 from nnxscale.placement.mesh import hybrid_mesh, make_mesh
 from nnxscale.placement.rules import strategy_mesh
 from nnxscale.runtime import events, launch
-from nnxscale.runtime.devices import emulate_devices
-from nnxscale.runtime.launch import COORDINATOR, initialize
+from nnxscale.runtime.cluster import detect, join
 from nnxscale.runtime.preemption import Preemption
 from nnxscale.train.data import book_batches
 from nnxscale.train.state import TrainOptions, adamw
@@ -243,8 +242,8 @@ def _config_changes(text: str) -> dict[str, Any]:
     return changes
 
 
-def main(argv: Sequence[str] | None = None) -> None:
-    """Parse the command line, emulate the devices asked for, and run the command."""
+def _parser() -> argparse.ArgumentParser:
+    """The command line: its commands and their arguments."""
     parser = argparse.ArgumentParser(prog="python -m nnxscale", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     train = commands.add_parser("train", help="train and checkpoint (resuming if DIR has one)")
@@ -261,8 +260,16 @@ def main(argv: Sequence[str] | None = None) -> None:
     crossing.add_argument("--batch-size", type=_positive, default=16)
     for command in (train, restore):
         command.add_argument("directory")
-        command.add_argument("--devices", default=None, help="emulated devices (default: 8)")
+        command.add_argument(
+            "--devices", default=None, help="emulated devices per process (default: 8), or native"
+        )
         command.add_argument("--rules", default="FSDP", choices=sorted(RULE_SETS))
+        command.add_argument(
+            "--processes",
+            type=_positive,
+            default=None,
+            help="the processes the run must have, refused otherwise (default: as started)",
+        )
     train.add_argument("--steps", type=_positive, required=True, help="train until this step")
     train.add_argument("--save-every", type=_positive, required=True)
     train.add_argument("--keep", type=_positive, default=3, help="checkpoints kept")
@@ -285,13 +292,22 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     restore.add_argument("--step", type=int, default=None, help="default: the latest")
     restore.add_argument("--report", default=None, help="write checksums here as JSON")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Parse the command line, join the run (emulating the devices asked for), and run the
+    command."""
+    parser = _parser()
     args = parser.parse_args(argv)
-    if args.command in ("collective", "crossing") and COORDINATOR not in os.environ:
-        parser.error(f"{args.command} runs in processes that nnxscale.launch starts (launch.run)")
-    if COORDINATOR in os.environ:  # a launched worker: devices and peers from the launcher
-        initialize()
-    else:
-        emulate_devices(args.devices)
+    if args.command in ("collective", "crossing") and detect() is None:
+        parser.error(
+            f"{args.command} runs in processes that a launcher starts (nnxscale.launch, "
+            "srun, mpirun)"
+        )
+    joined = join(getattr(args, "processes", None), getattr(args, "devices", None))
+    if joined.engine != "none":  # what it joined, for the launcher's or the job's output
+        events.emit(joined)
     programs = {"train": _train, "restore": _restore, "collective": _collective}
     {**programs, "crossing": _crossing}[args.command](args)
 

@@ -159,9 +159,22 @@ class Entering(Event):
 
 
 @dataclasses.dataclass(frozen=True)
+class Joined(Event):
+    """The run a process joined (`nnxscale.cluster.join`): the engine that started it (a key
+    of `cluster.ENGINES`, or "none" for a process on its own), the process count, the
+    coordinator the engine named, and the devices this process holds."""
+
+    kind: ClassVar[str] = "joined"
+    engine: str
+    processes: int
+    coordinator: str | None
+    local_devices: int
+
+
+@dataclasses.dataclass(frozen=True)
 class Leaving(Event):
-    """A worker of a distributed run reached the end of its program (`launch.initialize`
-    prints it at exit): the launcher names one that leaves while the others still run."""
+    """A worker of a distributed run reached the end of its program (`cluster.join` has it
+    printed at exit): the launcher names one that leaves while the others still run."""
 
     kind: ClassVar[str] = "leaving"
 
@@ -180,6 +193,7 @@ KINDS: dict[str, type[Event]] = {
         Hello,
         Crossing,
         Entering,
+        Joined,
         Leaving,
     )
 }

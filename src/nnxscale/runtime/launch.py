@@ -5,20 +5,20 @@ chapters, tests and benchmarks start another Python (or JAX) process.
 device count when it starts, so another count needs another process). `launch` starts N that
 form one distributed JAX run: the launcher picks a free port for the coordinator and passes
 each worker its part through the environment (`NNXSCALE_COORDINATOR`, `NNXSCALE_PROCESSES`,
-`NNXSCALE_PROCESS_ID`, `NNXSCALE_DEVICES`); the worker calls `initialize()` before anything
-else touches JAX. Output (stdout and stderr) is streamed line by line, with a `[process i]`
-prefix when there are several. When a worker fails (non-zero exit, killed by a signal) or
-the run takes longer than its timeout, the launcher kills every worker still running, waits
-for all of them, and raises `LaunchError` naming which worker ended how. Should the launcher
-itself die, even by SIGKILL, Linux kills its workers too: each worker starts as a small
-stdlib-only Python that asks for that (`PR_SET_PDEATHSIG`) and then execs the command, so the
-launcher never forks (a fork in a process running JAX would make JAX warn of deadlocks).
+`NNXSCALE_PROCESS_ID`, `NNXSCALE_DEVICES`); the worker calls `nnxscale.cluster.join()`
+before anything else touches JAX, as it would under SLURM or Open MPI. Output (stdout and
+stderr) is streamed line by line, with a `[process i]` prefix when there are several. When a
+worker fails (non-zero exit, killed by a signal) or the run takes longer than its timeout,
+the launcher kills every worker still running, waits for all of them, and raises
+`LaunchError` naming which worker ended how. Should the launcher itself die, even by
+SIGKILL, Linux kills its workers too: each worker starts as a small stdlib-only Python that
+asks for that (`PR_SET_PDEATHSIG`) and then execs the command, so the launcher never forks
+(a fork in a process running JAX would make JAX warn of deadlocks).
 """
 
 from __future__ import annotations
 
 import argparse
-import atexit
 import contextlib
 import ctypes
 import dataclasses
@@ -32,7 +32,6 @@ import time
 from collections.abc import Callable, Sequence
 from functools import partial
 from pathlib import Path
-from types import TracebackType
 from typing import NoReturn
 
 COORDINATOR, PROCESSES, PROCESS_ID = (
@@ -63,31 +62,6 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
         probe.bind(("localhost", 0))
         return probe.getsockname()[1]
-
-
-def initialize() -> tuple[int, int]:
-    """In a worker: emulate its devices, then join the run; returns (process id, processes)."""
-    import jax
-
-    from nnxscale.runtime import events
-    from nnxscale.runtime.devices import emulate_devices
-
-    emulate_devices()
-    index, count = int(os.environ[PROCESS_ID]), int(os.environ[PROCESSES])
-    jax.distributed.initialize(os.environ[COORDINATOR], num_processes=count, process_id=index)
-    sys.excepthook = _exit_at_once
-    # Runs before JAX's own exit handler, which waits for every other worker at a barrier.
-    atexit.register(lambda: events.emit(events.Leaving(process=index)))
-    return index, count
-
-
-def _exit_at_once(kind: type[BaseException], error: BaseException, trace: TracebackType) -> None:
-    """A worker's uncaught exception: print it and exit with status 1 at once, rather than
-    wait at JAX's exit barrier for workers that will never get there."""
-    sys.__excepthook__(kind, error, trace)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(1)
 
 
 def exec_dying_with(launcher: int, command: Sequence[str]) -> NoReturn:
