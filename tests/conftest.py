@@ -18,6 +18,25 @@ TEST_DEVICES = 8
 
 emulate_devices(TEST_DEVICES)
 
+CLUSTER_PROGRAMS = ("munged", "slurmctld", "slurmd", "slurmstepd", "mpirun", "orted", "prted")
+"""The daemons and launchers of the cluster engines that tests/test_clusters.py starts."""
+
+
+def cluster_processes() -> dict[int, str]:
+    """The running processes of `CLUSTER_PROGRAMS`, by pid."""
+    found = {}
+    for entry in Path("/proc").iterdir():
+        try:
+            name = (entry / "comm").read_text().strip() if entry.name.isdigit() else ""
+        except OSError:  # gone meanwhile
+            continue
+        if name in CLUSTER_PROGRAMS:
+            found[int(entry.name)] = name
+    return found
+
+
+BEFORE = cluster_processes() if sys.platform == "linux" else {}
+
 
 def run_python(code: str, **env: str) -> Run:
     """Run `code` in a fresh Python process (its own JAX backend) with extra environment; the
@@ -105,3 +124,15 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
             "for an unmarked test: mark it @pytest.mark.slow, or make it faster."
         )
     return report
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """Fail the run if it leaves a cluster daemon or launcher behind (checked once, in the
+    process that ran every test or in pytest-xdist's controller, after its workers ended)."""
+    if os.environ.get("PYTEST_XDIST_WORKER") or sys.platform != "linux":
+        return
+    left = {pid: name for pid, name in cluster_processes().items() if pid not in BEFORE}
+    if left:
+        listed = ", ".join(f"{name} (pid {pid})" for pid, name in sorted(left.items()))
+        session.config.get_terminal_writer().line(f"processes left behind: {listed}", red=True)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED

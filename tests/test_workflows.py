@@ -90,6 +90,7 @@ def test_the_pull_request_workflow_runs_the_fast_tier_first_then_the_others_side
     assert tier_command(sweep, "sweep").endswith("pytest -m sweep")
     assert flow["jobs"]["slow"]["needs"] == flow["jobs"]["book"]["needs"] == "fast"
     assert flow["jobs"]["fast"]["env"]["NNXSCALE_REQUIRE_ACTIONLINT"] == "1"
+    assert flow["jobs"]["slow"]["env"] == {"NNXSCALE_REQUIRE_CLUSTER": "1"}  # SLURM, Open MPI
     book = flow["jobs"]["book"]
     assert book["env"] == {"NNXSCALE_KEEP_EXECUTIONS": "1", "NNXSCALE_REQUIRE_BROWSER": "1"}
     for job in (*flow["jobs"].values(), *sweep["jobs"].values()):
@@ -106,6 +107,7 @@ def test_the_pull_request_workflow_runs_the_fast_tier_first_then_the_others_side
     script = (ROOT / ".ci" / "run").read_text()
     command = re.search(r"# 2\. Run all the tests.*\n(.+)\n", readme).group(1).strip()
     assert "bash .ci/setup" in script and script.rstrip().endswith(command)
+    assert "NNXSCALE_REQUIRE_CLUSTER=1" in script
 
 
 def test_the_test_build_keeps_the_executions_only_when_asked(
