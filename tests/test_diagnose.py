@@ -17,7 +17,7 @@ from jax.sharding import PartitionSpec as P
 
 from nnxscale import diagnose
 from nnxscale.core.show import raised, warned
-from nnxscale.figures import plot_failures
+from nnxscale.figures import BREAKS, plot_failures
 from nnxscale.placement.mesh import make_mesh
 
 
@@ -99,3 +99,12 @@ def test_the_failure_map_draws_a_box_per_error_and_refuses_an_unknown_raiser() -
     assert len(fig.axes[0].patches) == 3
     with pytest.raises(ValueError, match=r"raisers \['someone'\] unknown"):
         plot_failures({"a": [("E", "someone")]})
+
+
+def test_the_appendix_map_draws_every_stage_it_lists() -> None:
+    import matplotlib.pyplot as plt
+
+    fig = plot_failures(BREAKS)
+    drawn = {text.get_text() for text in fig.axes[0].texts}
+    assert set(BREAKS) <= drawn and {name for e in BREAKS.values() for name, _ in e} <= drawn
+    plt.close(fig)

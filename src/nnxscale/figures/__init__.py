@@ -4,7 +4,7 @@ from nnxscale.figures.activations import plot_collective_matmul, plot_sequence_p
 from nnxscale.figures.checkpoints import plot_restore, plot_saves
 from nnxscale.figures.drawing import SUM, matrix_view
 from nnxscale.figures.evidence import plot_grid, plot_picks
-from nnxscale.figures.failures import plot_failures
+from nnxscale.figures.failures import BREAKS, plot_failures
 from nnxscale.figures.layouts import (
     block_sources,
     plot_collectives,
@@ -33,6 +33,7 @@ from nnxscale.figures.strategies import (
 )
 
 __all__ = [
+    "BREAKS",
     "KIND_COLOURS",
     "SUM",
     "block_sources",

@@ -14,10 +14,42 @@ if TYPE_CHECKING:
 RAISERS = {
     "JAX": ("#4c72b0", "raised by JAX"),
     "nnxscale": ("#55a868", "raised by nnxscale"),
-    "launcher": ("#c44e52", "raised by the launcher"),
+    "launcher": ("#c44e52", "raised by the launcher or a cluster engine"),
     "none": ("#8c8c8c", "nothing raised"),
 }
 """The colour and legend of each kind of raiser; "none" is a fault that raises nothing."""
+
+BREAKS: dict[str, list[tuple[str, str]]] = {
+    "starting JAX": [
+        ("EmulationTooLateError", "nnxscale"),
+        ("mesh too big", "nnxscale"),
+    ],
+    "placing": [("ReplicationWarning", "nnxscale")],
+    "tracing": [("ShardingTypeError", "JAX")],
+    "stepping": [
+        ("batch rows", "nnxscale"),
+        ("TRACING CACHE MISS", "JAX"),
+        ("NonFiniteError", "nnxscale"),
+        ("Array has been deleted", "JAX"),
+        ("one busy device", "none"),
+        ("random values", "none"),
+    ],
+    "memory": [("RESOURCE_EXHAUSTED", "JAX")],
+    "checkpoints": [
+        ("CheckpointMismatchError", "nnxscale"),
+        ("SaveError", "nnxscale"),
+        ("DirectoryLockedError", "nnxscale"),
+    ],
+    "processes": [
+        ("LaunchError", "launcher"),
+        ("DEADLINE_EXCEEDED", "JAX"),
+        ("process count", "nnxscale"),
+        ("no srun", "nnxscale"),
+        ("a task died", "launcher"),
+        ("NCCL error", "JAX"),
+    ],
+}
+"""Appendix A2's errors, by the stage of a run that raises them: the map its figure draws."""
 
 
 def plot_failures(stages: Mapping[str, Sequence[tuple[str, str]]]) -> Figure:
