@@ -6,6 +6,7 @@ engine's run gives the losses of the book's own launcher, bit for bit."""
 from __future__ import annotations
 
 import os
+import platform
 import re
 import shutil
 import signal
@@ -67,7 +68,7 @@ class Slurm:
         key.write_bytes(os.urandom(1024))
         key.chmod(0o400)
         socket = root / "munge" / "munge.socket"
-        host = subprocess.run(["hostname", "-s"], capture_output=True, text=True).stdout.strip()
+        host = platform.node().split(".")[0]  # the short host name slurmd registers under
         self.conf = root / "slurm.conf"
         self.conf.write_text(CONF.format(root=root, host=host, socket=socket,
                                           ctld=free_port(), slurmd=free_port()))  # fmt: skip

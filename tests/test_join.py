@@ -9,6 +9,8 @@ import pytest
 from nnxscale import cli, cluster, events
 from nnxscale.runtime.launch import LaunchError
 
+from conftest import run_python
+
 SLURM = {"SLURM_JOB_ID": "7", "SLURM_STEP_ID": "0", "SLURM_PROCID": "1", "SLURM_NTASKS": "2",
          "SLURM_LOCALID": "1", "SLURM_STEP_NODELIST": "gpu[01-02],cpu7"}  # fmt: skip
 OPEN_MPI = {"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "4",
@@ -84,3 +86,11 @@ def test_the_engines_table_and_the_job_script() -> None:
     script = cluster.job_script().read_text()
     assert "#SBATCH --ntasks=2" in script and "--processes 2" in script
     assert "srun --kill-on-bad-exit=1" in script
+
+
+def test_with_no_engine_jax_itself_finds_no_run_to_join_here() -> None:
+    """What `join` asks JAX on the accelerators it found, with no engine's variables (in a
+    fresh process: before JAX starts): off a Cloud TPU VM, JAX finds no coordinator, and
+    the process runs on its own."""
+    code = "from nnxscale import cluster; print(cluster._on_a_tpu_slice({}))"
+    assert run_python(code).output[-1] == "False"

@@ -168,19 +168,23 @@ def join(
     process count other than `processes` (when given), emulate `devices` devices (default
     $NNXSCALE_DEVICES or 8; "native" for the accelerators found), then
     `jax.distributed.initialize`, which waits `timeout` seconds for the coordinator and
-    declares a process dead after `heartbeat` seconds of silence. A process no engine
-    started runs on its own. An uncaught exception in a joined process then exits it at
-    once, rather than wait at JAX's exit barrier for processes that will never reach it."""
+    declares a process dead after `heartbeat` seconds of silence. A process no engine's
+    variables name runs on its own, unless it runs on the accelerators JAX found and JAX's
+    own detection finds a run (a Cloud TPU VM's metadata server names its slice). An
+    uncaught exception in a joined process then exits it at once, rather than wait at JAX's
+    exit barrier for processes that will never reach it."""
     engine = detect(environ)
     why = problem(engine, processes, environ)
     if why:
         raise ClusterError(why)
-    emulate_devices(devices)
+    emulated = emulate_devices(devices)
     import jax
 
-    if engine is None:
-        return events.Joined(0, "none", 1, None, jax.local_device_count())
     waits = {"initialization_timeout": timeout, "heartbeat_timeout_seconds": heartbeat}
+    if engine is None:
+        if emulated is None and _on_a_tpu_slice(waits):
+            return _joined(Engine("cloud-tpu", None, None, None))
+        return events.Joined(0, "none", 1, None, jax.local_device_count())
     if engine.name == "nnxscale":
         jax.distributed.initialize(engine.coordinator, engine.processes, engine.process_id, **waits)
     else:
@@ -191,6 +195,28 @@ def join(
             f"{jax.process_count()}: set JAX's cluster detection to the engine that started "
             "them (jax.distributed.initialize(cluster_detection_method=...))"
         )
+    return _joined(engine)
+
+
+def _on_a_tpu_slice(waits: Mapping[str, int]) -> bool:
+    """On the accelerators JAX found, with no engine's variables: whether JAX's own detection
+    finds a run to join, which only a Cloud TPU VM's metadata server can name (JAX asks it);
+    elsewhere JAX says it found no coordinator, and the process runs on its own."""
+    import jax
+
+    try:
+        jax.distributed.initialize(**waits)
+    except ValueError as error:
+        if "coordinator_address" not in str(error):
+            raise
+        return False
+    return True
+
+
+def _joined(engine: Engine) -> events.Joined:
+    """The run JAX joined, as `engine` started it; an uncaught exception then exits at once."""
+    import jax
+
     index = jax.process_index()
     sys.excepthook = _exit_at_once
     # Runs before JAX's own exit handler, which waits for every other process at a barrier.
