@@ -264,7 +264,9 @@ except Exception as error:  # what the survivor's collective raises
     if sys.argv[1:] != ["go-on"]:
         raise
 """
-"""Two processes join; process 1 dies; process 0 waits for it in a collective."""
+"""Two processes join; process 1 dies; process 0's collective fails. With `go-on` process 0
+goes on to JAX's shutdown barrier, which waits for the heartbeat, so the engine sees the
+dead one first: without it, process 0 may exit before the engine has noticed process 1."""
 
 
 def dying_job(slurm: Slurm, srun: str, *args: str) -> Path:
@@ -277,7 +279,7 @@ def dying_job(slurm: Slurm, srun: str, *args: str) -> Path:
 
 
 def test_a_dead_task_ends_the_step_at_once_with_kill_on_bad_exit(slurm: Slurm) -> None:
-    job = slurm.submit(dying_job(slurm, "srun --kill-on-bad-exit=1"))
+    job = slurm.submit(dying_job(slurm, "srun --kill-on-bad-exit=1", "go-on"))
     assert slurm.wait(job, 120) == "FAILED"
     text = "\n".join(slurm.output(job))
     assert re.search(r"srun: error: \S+: task 1: Killed", text), text[-2000:]
@@ -302,7 +304,7 @@ def test_mpirun_names_the_dead_rank_and_stops_the_rest(tmp_path: Path) -> None:
     program.write_text(DYING)
     root = ["--allow-run-as-root"] if os.geteuid() == 0 else []
     done = subprocess.run(
-        ["mpirun", *root, "--oversubscribe", "-n", "2", sys.executable, str(program)],
+        ["mpirun", *root, "--oversubscribe", "-n", "2", sys.executable, str(program), "go-on"],
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     text = done.stdout + done.stderr
